@@ -1,0 +1,46 @@
+"""vllm-moa: Mixture of Attentions speculative decoding for vLLM, transformers and client-server.
+
+`kernels/` is a top-level folder of the repository, but it is installed as `vllm_moa.kernels`
+(another PyPI distribution owns the top-level name `kernels`, and transformers imports it when
+present).
+"""
+
+from setuptools import find_packages, setup
+
+CORE_REQUIRES = [
+    "torch>=2.4",
+    "transformers>=4.45",
+    "safetensors>=0.4",
+    "pydantic>=2.5",
+    "typer>=0.12",
+    "tqdm>=4.60",
+    # Triton kernels (GPU, or TRITON_INTERPRET=1 on CPU); no wheels outside Linux, where the
+    # PyTorch twins run instead.
+    "triton>=3.0; platform_system == 'Linux'",
+]
+
+EXTRAS = {
+    "vllm": ["vllm>=0.20"],
+    "ray": ["ray[train]>=2.40"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+}
+
+packages = find_packages(include=["vllm_moa", "vllm_moa.*"])
+packages.append("vllm_moa.kernels")
+
+setup(
+    name="vllm-moa",
+    version="0.1.0",
+    description="Mixture of Attentions (MoA) speculative decoding: drafter, training, vLLM plugin",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={"vllm_moa.kernels": "kernels"},
+    install_requires=CORE_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": ["vllm-moa=vllm_moa.cli:app"],
+    },
+)

@@ -1,0 +1,128 @@
+"""Masks, data validation, the training loop, checkpoints and resume."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from conftest import make_target
+from vllm_moa.training.data import DatasetError, DraftExample, collate
+from vllm_moa.training.masks import (
+    anchor_flags,
+    cross_attention_mask,
+    draft_depth,
+    last_anchor,
+    self_attention_mask,
+    target_layers_mask,
+)
+from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer
+
+SMALL = dict(lsa_intermediate_size=64, sa_intermediate_size=64, ca_intermediate_size=64)
+
+
+def test_anchors_and_masks_on_a_small_example():
+    flags = anchor_flags(10, prompt_length=3, every=4)
+    assert flags.tolist() == [True, True, True, True, False, False, False, True, False, False]
+    s = last_anchor(flags[None])
+    assert s.tolist() == [[0, 1, 2, 3, 3, 3, 3, 7, 7, 7]]
+    assert draft_depth(s).tolist() == [[0, 0, 0, 0, 1, 2, 3, 0, 1, 2]]
+    ca = cross_attention_mask(s)[0, 0]
+    assert ca[5].tolist() == [True] * 4 + [False] * 6  # depth 2 reads target rows 0..3 only
+    stair = self_attention_mask(s, torch.tensor([True]))[0, 0]
+    assert stair[6].tolist() == [False] * 4 + [True] * 3 + [False] * 3  # tokens s+1..i
+    assert stair[3].tolist() == [False] * 3 + [True] + [False] * 6  # an anchor sees itself
+    causal = self_attention_mask(s, torch.tensor([False]))[0, 0]
+    assert causal[6].tolist() == [True] * 7 + [False] * 3
+    tli = target_layers_mask(s)[0, 0]
+    assert tli[5, :10].tolist() == [True] * 4 + [False] * 6  # true rows <= s
+    assert tli[5, 10:].tolist() == [False] * 4 + [True] * 2 + [False] * 4  # predicted s < j <= i
+
+
+def test_collate_trains_response_positions_only():
+    batch = collate([DraftExample((5, 6, 7, 8, 9), prompt_length=3), DraftExample((1, 2), 0)])
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
+    # position i predicts token i+1: trained iff token i+1 is a response token
+    assert batch.loss_mask.tolist() == [[False, False, True, True, False], [True, False, False, False, False]]
+
+
+def _config(tmp_path, **overrides):
+    base = dict(steps=6, batch_size=2, warmup_steps=1, checkpoint_every=3, log_every=1, progress=False, seed=1,
+                output_dir=str(tmp_path / "run"), drafter_options=SMALL)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _examples(n=8, length=20):
+    gen = torch.Generator().manual_seed(0)
+    return [DraftExample(tuple(torch.randint(0, 97, (length,), generator=gen).tolist()), 4) for _ in range(n)]
+
+
+@pytest.mark.parametrize("examples,match", [
+    ([], "empty"),
+    ([DraftExample((1,), 0)], "at least 2"),
+])
+def test_bad_data_is_refused_before_training(tmp_path, examples, match):
+    with pytest.raises(DatasetError, match=match):
+        Trainer(_config(tmp_path), make_target("llama"), examples)
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="anchor_min"):
+        TrainConfig(anchor_min=9, anchor_max=3)
+    with pytest.raises(ValueError, match="extra"):
+        TrainConfig(stepz=3)
+
+
+@pytest.mark.parametrize("drafter,tli", [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0)])
+def test_every_drafter_trains_and_logs(tmp_path, drafter, tli):
+    trainer = Trainer(_config(tmp_path, drafter=drafter, tli=tli, steps=4), make_target("llama"), _examples(),
+                      eval_examples=_examples(2))
+    result = trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert {"loss", "kl", "feature", "lr", "grad_norm", "agreement"} <= set(lines[0])
+    assert len(lines[0]["agreement"]) == 7 and len(result.eval_agreement) == 7
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def test_resume_continues_exactly(tmp_path):
+    target = make_target("llama")
+    data = _examples()
+    whole = Trainer(_config(tmp_path / "a"), target, data)
+    whole.train()
+    interrupted = Trainer(_config(tmp_path / "b"), target, data)
+    for _ in range(3):
+        interrupted.train_step()
+    interrupted.save_checkpoint()
+    resumed = Trainer(_config(tmp_path / "b"), target, data)
+    resumed.train(resume=True)
+    assert resumed.step == 6
+    for (name, a), (_, b) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def _digest(path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_missing_or_corrupt_checkpoint(tmp_path):
+    target = make_target("llama")
+    trainer = Trainer(_config(tmp_path), target, _examples())
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        trainer.load_checkpoint()
+    with pytest.raises(CheckpointError, match="missing or incomplete"):
+        trainer.load_checkpoint(tmp_path / "nowhere")
+    trainer.train_step()
+    good = trainer.save_checkpoint()
+    good_digest = _digest(good)
+    trainer.train_step()
+    bad = trainer.save_checkpoint()
+    state = bad / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    fresh = Trainer(_config(tmp_path), target, _examples())
+    with pytest.raises(CheckpointError, match="corrupt"):
+        fresh.load_checkpoint()
+    assert _digest(good) == good_digest
+    fresh.load_checkpoint(good)
+    assert fresh.step == 1

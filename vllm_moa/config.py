@@ -1,0 +1,362 @@
+"""Drafter configurations and the signature of the target a drafter was trained for.
+
+Every drafter checkpoint is a directory with `config.json` (one of the configs below, a
+transformers `PretrainedConfig` with its own `model_type`) and `model.safetensors` holding only
+the drafter's trainable weights. The config records the target's `TargetSignature`, so that a
+drafter is refused, with both values named, when it is loaded against another target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import TypeAdapter, ValidationError
+from transformers import PretrainedConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DrafterTargetMismatch(ValueError):
+    """A drafter was loaded against a target it was not trained for."""
+
+
+class DrafterConfigError(ValueError):
+    """A drafter config.json is malformed (unknown key, wrong type, impossible value)."""
+
+
+@dataclass(frozen=True)
+class TargetSignature:
+    """What a drafter depends on in its target. Shapes must match exactly; `fingerprint` is a
+    hash of a strided sample of the target's embedding and LM head (bf16-rounded, so it does not
+    depend on the dtype the target was loaded in)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    name: str = ""
+    fingerprint: str = ""
+
+    # Fields that must agree for the drafter's tensors to make sense at all.
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "architecture",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "vocab_size",
+    )
+
+    @property
+    def kv_width(self) -> int:
+        """Ekv = H_kv * d: the width of one layer's K (or V) for one token."""
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TargetSignature":
+        if not isinstance(data, dict):
+            raise DrafterConfigError(f"config key 'target' must be an object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DrafterConfigError(f"unknown key(s) in config 'target': {', '.join(unknown)}")
+        missing = [name for name in cls.SHAPE_FIELDS if name not in data]
+        if missing:
+            raise DrafterConfigError(f"config 'target' is missing key(s): {', '.join(missing)}")
+        return cls(**data)
+
+    def check_compatible(self, actual: "TargetSignature", *, strict_fingerprint: bool = True) -> None:
+        """Raise `DrafterTargetMismatch` naming the first field where `actual` differs."""
+        for name in self.SHAPE_FIELDS:
+            want, got = getattr(self, name), getattr(actual, name)
+            if want != got:
+                raise DrafterTargetMismatch(
+                    f"drafter was trained for a target with {name}={want!r} "
+                    f"(target {self.name or '?'}), but the given target has {name}={got!r} "
+                    f"(target {actual.name or '?'})"
+                )
+        if strict_fingerprint and self.fingerprint and actual.fingerprint and self.fingerprint != actual.fingerprint:
+            raise DrafterTargetMismatch(
+                f"drafter was trained for target weights with fingerprint={self.fingerprint} "
+                f"(target {self.name or '?'}), but the given target has fingerprint={actual.fingerprint} "
+                f"(target {actual.name or '?'}): same shapes, different weights"
+            )
+
+
+class DrafterConfigBase(PretrainedConfig):
+    """Shared behaviour: a target signature, strict validation of config.json keys."""
+
+    model_type = "moa_drafter_base"
+    # name -> python type, validated by pydantic when a config is read from disk.
+    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, target: dict[str, Any] | TargetSignature | None = None, **kwargs: Any) -> None:
+        if isinstance(target, TargetSignature):
+            target = target.to_dict()
+        self.target = target
+        super().__init__(**kwargs)
+
+    @property
+    def target_signature(self) -> TargetSignature:
+        if self.target is None:
+            raise DrafterConfigError("config has no 'target' signature")
+        return TargetSignature.from_dict(self.target)
+
+    # -- validation ---------------------------------------------------------------------------
+    @classmethod
+    def validated_from_dict(cls, data: dict[str, Any], source: str = "config") -> "DrafterConfigBase":
+        """Build a config from a JSON object, naming the offending key on any problem."""
+        if not isinstance(data, dict):
+            raise DrafterConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        model_type = data.get("model_type")
+        if model_type != cls.model_type:
+            raise DrafterConfigError(
+                f"{source}: key 'model_type' is {model_type!r}, expected {cls.model_type!r}"
+            )
+        base_keys = set(PretrainedConfig().to_dict()) | {"model_type", "target"}
+        for key, value in data.items():
+            if key in base_keys:
+                continue
+            if key not in cls.DRAFTER_FIELDS:
+                raise DrafterConfigError(f"{source}: unknown key {key!r} for {cls.__name__}")
+            try:
+                TypeAdapter(cls.DRAFTER_FIELDS[key]).validate_python(value, strict=True)
+            except ValidationError as err:
+                raise DrafterConfigError(
+                    f"{source}: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}"
+                ) from None
+        missing = [key for key in cls.DRAFTER_FIELDS if key not in data]
+        if missing:
+            raise DrafterConfigError(f"{source}: missing key(s) {', '.join(missing)}")
+        if "target" not in data:
+            raise DrafterConfigError(f"{source}: missing key 'target'")
+        TargetSignature.from_dict(data["target"])
+        kwargs = {k: v for k, v in data.items() if k != "model_type"}
+        config = cls(**kwargs)
+        config.check_values(source)
+        return config
+
+    def check_values(self, source: str = "config") -> None:
+        """Per-config semantic checks (divisibility, ranges); override."""
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "DrafterConfigBase":
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {directory}")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
+        return cls.validated_from_dict(data, source=str(path))
+
+
+def _positive(config: PretrainedConfig, source: str, *keys: str) -> None:
+    for key in keys:
+        value = getattr(config, key)
+        if value <= 0:
+            raise DrafterConfigError(f"{source}: key {key!r} must be > 0, got {value}")
+
+
+def _divisible(config: PretrainedConfig, source: str, heads_key: str, kv_heads_key: str) -> None:
+    heads, kv_heads = getattr(config, heads_key), getattr(config, kv_heads_key)
+    if heads % kv_heads:
+        raise DrafterConfigError(
+            f"{source}: key {heads_key!r}={heads} must be a multiple of {kv_heads_key!r}={kv_heads}"
+        )
+
+
+class MoAConfig(DrafterConfigBase):
+    """The MoA drafter: LSA over the target's layer axis -> Ekv2E rows -> SA -> CA -> TLI.
+
+    LSA runs at width `2 * Ekv` (the per-token concatenation of one layer's K and V);
+    `lsa_num_heads` must divide it. SA and CA run at the target's hidden size `E`.
+    """
+
+    model_type = "moa_drafter"
+    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
+        "tli": int,
+        "lsa_num_heads": int,
+        "lsa_intermediate_size": int,
+        "lsa_rope_theta": float,
+        "sa_num_heads": int,
+        "sa_num_kv_heads": int,
+        "sa_head_dim": int,
+        "sa_intermediate_size": int,
+        "ca_num_heads": int,
+        "ca_num_kv_heads": int,
+        "ca_head_dim": int,
+        "ca_intermediate_size": int,
+        "rope_theta": float,
+        "rms_norm_eps": float,
+    }
+
+    def __init__(
+        self,
+        target: dict[str, Any] | TargetSignature | None = None,
+        tli: int = 0,
+        lsa_num_heads: int = 4,
+        lsa_intermediate_size: int = 256,
+        lsa_rope_theta: float = 10000.0,
+        sa_num_heads: int = 4,
+        sa_num_kv_heads: int = 2,
+        sa_head_dim: int = 16,
+        sa_intermediate_size: int = 256,
+        ca_num_heads: int = 4,
+        ca_num_kv_heads: int = 2,
+        ca_head_dim: int = 16,
+        ca_intermediate_size: int = 256,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        self.tli = tli
+        self.lsa_num_heads = lsa_num_heads
+        self.lsa_intermediate_size = lsa_intermediate_size
+        self.lsa_rope_theta = float(lsa_rope_theta)
+        self.sa_num_heads = sa_num_heads
+        self.sa_num_kv_heads = sa_num_kv_heads
+        self.sa_head_dim = sa_head_dim
+        self.sa_intermediate_size = sa_intermediate_size
+        self.ca_num_heads = ca_num_heads
+        self.ca_num_kv_heads = ca_num_kv_heads
+        self.ca_head_dim = ca_head_dim
+        self.ca_intermediate_size = ca_intermediate_size
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        super().__init__(target=target, **kwargs)
+
+    def check_values(self, source: str = "config") -> None:
+        sig = self.target_signature
+        _positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
+                  "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
+                  "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")
+        if not 0 <= self.tli <= sig.num_layers:
+            raise DrafterConfigError(
+                f"{source}: key 'tli' must be in 0..{sig.num_layers} (target layers), got {self.tli}"
+            )
+        lsa_width = 2 * sig.kv_width
+        if lsa_width % self.lsa_num_heads or (lsa_width // self.lsa_num_heads) % 2:
+            raise DrafterConfigError(
+                f"{source}: key 'lsa_num_heads'={self.lsa_num_heads} must divide the LSA width "
+                f"2*Ekv={lsa_width} into heads of even size"
+            )
+        _divisible(self, source, "sa_num_heads", "sa_num_kv_heads")
+        _divisible(self, source, "ca_num_heads", "ca_num_kv_heads")
+        for key in ("sa_head_dim", "ca_head_dim"):
+            if getattr(self, key) % 2:
+                raise DrafterConfigError(f"{source}: key {key!r} must be even (rotary embedding)")
+
+
+class EagleDrafterConfig(DrafterConfigBase):
+    """EAGLE-style baseline: one decoder layer over fc([token embedding; target last hidden])."""
+
+    model_type = "moa_eagle_drafter"
+    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
+        "num_heads": int,
+        "num_kv_heads": int,
+        "head_dim": int,
+        "intermediate_size": int,
+        "rope_theta": float,
+        "rms_norm_eps": float,
+    }
+
+    def __init__(
+        self,
+        target: dict[str, Any] | TargetSignature | None = None,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 16,
+        intermediate_size: int = 256,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        super().__init__(target=target, **kwargs)
+
+    def check_values(self, source: str = "config") -> None:
+        _positive(self, source, "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+        _divisible(self, source, "num_heads", "num_kv_heads")
+
+
+class IndependentDrafterConfig(DrafterConfigBase):
+    """Independent small LM on the target's tokenizer (own embedding, own LM head)."""
+
+    model_type = "moa_independent_drafter"
+    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
+        "hidden_size": int,
+        "num_layers": int,
+        "num_heads": int,
+        "num_kv_heads": int,
+        "head_dim": int,
+        "intermediate_size": int,
+        "rope_theta": float,
+        "rms_norm_eps": float,
+    }
+
+    def __init__(
+        self,
+        target: dict[str, Any] | TargetSignature | None = None,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 16,
+        intermediate_size: int = 256,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        **kwargs: Any,
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.intermediate_size = intermediate_size
+        self.rope_theta = float(rope_theta)
+        self.rms_norm_eps = float(rms_norm_eps)
+        super().__init__(target=target, **kwargs)
+
+    def check_values(self, source: str = "config") -> None:
+        _positive(self, source, "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "intermediate_size")
+        _divisible(self, source, "num_heads", "num_kv_heads")
+
+
+DRAFTER_CONFIGS: dict[str, type[DrafterConfigBase]] = {
+    cls.model_type: cls for cls in (MoAConfig, EagleDrafterConfig, IndependentDrafterConfig)
+}
+
+
+def read_drafter_config(directory: str | Path) -> DrafterConfigBase:
+    """Read and validate any drafter's config.json, dispatching on its `model_type`."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {directory}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type not in DRAFTER_CONFIGS:
+        raise DrafterConfigError(
+            f"{path}: key 'model_type' is {model_type!r}; expected one of {sorted(DRAFTER_CONFIGS)}"
+        )
+    return DRAFTER_CONFIGS[model_type].validated_from_dict(data, source=str(path))

@@ -1,0 +1,132 @@
+"""The simplest correct speculative loop: MoA drafts a chain of K tokens, the target verifies them
+in one forward, greedy acceptance. Batch 1. At temperature 0 its output equals the target's own
+greedy decoding token for token (tests/unit/test_chain_decoding.py).
+
+Round r, with the target's cache holding positions 0..base-1 and `pending` the target's last
+(bonus) token at position `base`:
+    drafts d_1..d_K   <- MoA drafter, starting from `pending` (its caches: CA rows 0..base-1)
+    target forward over [pending, d_1..d_K] at positions base..base+K -> greedy g_0..g_K
+    n = longest prefix with d_i == g_{i-1}; new tokens d_1..d_n, bonus g_n
+    target cache cropped to base+n+1; drafter: rows for positions base..base+n, SA rolled back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_moa.models.moa import MoADrafter
+from vllm_moa.target import TargetKVCache, TargetModel
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    target_forwards: int = 0  # decoding forwards (prefill excluded)
+    accepted_per_forward: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify
+    seconds: float = 0.0
+    drafter_seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens gained per target forward: accepted draft tokens + 1 (the bonus)."""
+        return sum(self.accepted_per_forward) / max(1, len(self.accepted_per_forward))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _check_request(prompt_ids: list[int], max_new_tokens: int, num_draft: int | None = None) -> None:
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if num_draft is not None and num_draft <= 0:
+        raise ValueError(f"num_draft must be > 0, got {num_draft}")
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    return tokens
+
+
+@torch.no_grad()
+def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
+                          eos_token_id: int | None = None) -> GenerationResult:
+    """The baseline: one target forward per token, same functional target and cache."""
+    _check_request(prompt_ids, max_new_tokens)
+    started = time.perf_counter()
+    cache = TargetKVCache()
+    logits = target(torch.tensor([prompt_ids], device=target.device), cache).logits
+    tokens: list[int] = []
+    result = GenerationResult(tokens)
+    while True:
+        token = int(logits[0, -1].argmax())
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens or token == eos_token_id:
+            break
+        logits = target(torch.tensor([[token]], device=target.device), cache).logits
+        result.target_forwards += 1
+        result.accepted_per_forward.append(1)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+@torch.no_grad()
+def speculative_greedy_generate(target: TargetModel, drafter: MoADrafter, prompt_ids: list[int],
+                                max_new_tokens: int, num_draft: int = 4,
+                                eos_token_id: int | None = None) -> GenerationResult:
+    """Greedy chain speculative decoding with the MoA drafter (batch 1)."""
+    _check_request(prompt_ids, max_new_tokens, num_draft)
+    device = target.device
+    started = time.perf_counter()
+    cache = TargetKVCache()
+    prompt = torch.tensor([prompt_ids], device=device)
+    prefill = target(prompt, cache)
+    state = drafter.new_state()
+    drafter_time = time.perf_counter()
+    drafter.extend_verified(state, prefill.keys, prefill.values)
+    drafter.feed(state, prompt, target)
+    drafter_seconds = time.perf_counter() - drafter_time
+    pending = prefill.logits[0, -1].argmax().view(1, 1)
+    tokens = [int(pending)]
+    result = GenerationResult(tokens)
+    while len(tokens) < max_new_tokens and int(pending) != eos_token_id:
+        base = cache.length
+        t0 = time.perf_counter()
+        drafts, token = [], pending
+        for _ in range(num_draft):
+            token = drafter.draft_step(state, token, target)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            drafts.append(token)
+        drafter_seconds += time.perf_counter() - t0
+        verify = target(torch.cat([pending, *drafts], dim=1), cache)  # [1, K+1]
+        greedy = verify.logits[0].argmax(-1)
+        accepted = 0
+        while accepted < num_draft and int(drafts[accepted]) == int(greedy[accepted]):
+            accepted += 1
+        bonus = greedy[accepted].view(1, 1)
+        keep = base + accepted + 1  # pending + accepted drafts
+        cache.crop(keep)
+        t0 = time.perf_counter()
+        drafter.rollback(state, keep)
+        drafter.extend_verified(state, [k[:, :, : accepted + 1] for k in verify.keys],
+                                [v[:, :, : accepted + 1] for v in verify.values])
+        if state.sa_length < keep:  # every draft accepted: the last one was never fed
+            drafter.feed(state, drafts[-1], target)
+        drafter_seconds += time.perf_counter() - t0
+        tokens.extend(int(d) for d in drafts[:accepted])
+        tokens.append(int(bonus))
+        result.target_forwards += 1
+        result.accepted_per_forward.append(accepted + 1)
+        pending = bonus
+        if eos_token_id is not None and eos_token_id in tokens:
+            break
+    result.token_ids = _finish(tokens, max_new_tokens, eos_token_id)
+    result.seconds = time.perf_counter() - started
+    result.drafter_seconds = drafter_seconds
+    return result

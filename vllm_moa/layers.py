@@ -1,0 +1,161 @@
+"""Building blocks shared by the drafters: RMSNorm, rotary embedding, masked attention, SwiGLU.
+
+Masks everywhere are boolean with True = "may attend", broadcastable to [B, H, T_q, T_k].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Plain (unscaled) RoPE, rotate-half convention, as in Llama."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """positions [...] -> cos, sin [..., head_dim]"""
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, d], cos/sin [B, T, d] (or [T, d]) -> x rotated at its positions."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q [B, H, T_q, d], k/v [B, H_kv, T_k, d], mask bool broadcastable to [B, H, T_q, T_k]
+    (True = may attend; every query row must allow at least one key) -> [B, H, T_q, d]
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, intermediate, bias=False)
+        self.up_proj = nn.Linear(width, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections of one attention; queries and keys/values may come from different
+    inputs (self- or cross-attention), each of its own width."""
+
+    def __init__(self, query_width: int, kv_width: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, out_width: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(query_width, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(kv_width, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(kv_width, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_width or query_width, bias=False)
+
+    def queries(self, x: Tensor) -> Tensor:
+        """[B, T, W] -> [B, H, T, d]"""
+        b, t, _ = x.shape
+        return self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def keys_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, S, W] -> k, v [B, H_kv, S, d]"""
+        b, s, _ = x.shape
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def output(self, attn: Tensor) -> Tensor:
+        """[B, H, T, d] -> [B, T, W]"""
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+
+
+class KVCache:
+    """One attention's K/V over a growing sequence: k, v [B, H_kv, T, d]; cropped on rollback."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class DecoderBlock(nn.Module):
+    """A pre-norm Llama decoder block (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU)."""
+
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                 rope_theta: float = 10000.0, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(width, eps)
+        self.attn = AttentionProjections(width, width, num_heads, num_kv_heads, head_dim)
+        self.post_norm = RMSNorm(width, eps)
+        self.mlp = SwiGLU(width, intermediate)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta)
+
+    def forward(self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: KVCache | None = None) -> Tensor:
+        """hidden [B, T, W] at positions [B, T]; mask [B, 1, T, T_past + T] -> [B, T, W]"""
+        cos, sin = self.rotary(positions, hidden.dtype)
+        x = self.input_norm(hidden)
+        q = apply_rotary(self.attn.queries(x), cos, sin)
+        k, v = self.attn.keys_values(x)
+        k = apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        h = hidden + self.attn.output(attend(q, k, v, mask))
+        return h + self.mlp(self.post_norm(h))
+
+
+def causal_mask_after(past: int, n: int, device: torch.device | str) -> Tensor:
+    """Mask [1, 1, n, past + n] for n new queries after `past` cached keys."""
+    q = torch.arange(past, past + n, device=device)
+    k = torch.arange(past + n, device=device)
+    return (k[None, :] <= q[:, None])[None, None]

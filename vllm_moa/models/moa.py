@@ -1,0 +1,244 @@
+"""The MoA drafter (moa-reference.md section 1).
+
+    target per-layer K/V --LSA over the layer axis, mean--> Ekv2E --> CA keys/values (1 row / token)
+    target token embedding --> SA (causal, own KV cache) --> CA query
+    CA output --> [TLI > 0: target's last TLI layers + final norm] --> target LM head
+
+Two forward modes share every weight:
+* training: whole sequences, K-step-bounded masks (training/masks.py);
+* incremental drafting: `MoADraftState` caches (CA rows of verified tokens, SA KV, the last-N
+  layers' K/V). For any anchor a, training logits at a+k equal incremental logits k steps past a
+  (tests/unit/test_moa_equivalence.py): that property is what makes the training honest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from vllm_moa.config import MoAConfig
+from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
+from vllm_moa.layers import (
+    AttentionProjections,
+    DecoderBlock,
+    KVCache,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    attend,
+    causal_mask_after,
+)
+from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
+from vllm_moa.training.masks import cross_attention_mask, self_attention_mask, target_layers_mask
+
+
+class LayerSelfAttention(nn.Module):
+    """LSA: a pre-norm decoder block over the *layer axis* of one token's target K/V, unmasked,
+    RoPE at the layer index; then mean over layers and Ekv2E.
+
+    rows [N, L, 2*Ekv] -> [N, E]. Tokens never mix, so each verified token is processed once.
+    `kernels/` holds a Triton version that reads the rows straight from paged caches.
+    """
+
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__()
+        sig = config.target_signature
+        width = 2 * sig.kv_width
+        head_dim = width // config.lsa_num_heads
+        self.num_heads, self.head_dim = config.lsa_num_heads, head_dim
+        self.input_norm = RMSNorm(width, config.rms_norm_eps)
+        self.attn = AttentionProjections(width, width, config.lsa_num_heads, config.lsa_num_heads, head_dim)
+        self.post_norm = RMSNorm(width, config.rms_norm_eps)
+        self.mlp = SwiGLU(width, config.lsa_intermediate_size)
+        self.rotary = RotaryEmbedding(head_dim, config.lsa_rope_theta)
+        self.ekv2e = nn.Linear(width, sig.hidden_size, bias=False)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        """rows [N, L, 2*Ekv] -> Ekv2E output [N, E]"""
+        num_layers = rows.shape[1]
+        cos, sin = self.rotary(torch.arange(num_layers, device=rows.device), rows.dtype)  # [L, d]
+        x = self.input_norm(rows)
+        q = apply_rotary(self.attn.queries(x), cos, sin)  # [N, H, L, d]
+        k, v = self.attn.keys_values(x)
+        k = apply_rotary(k, cos, sin)
+        h = rows + self.attn.output(attend(q, k, v, None))  # no mask: every layer sees every layer
+        h = h + self.mlp(self.post_norm(h))
+        return self.ekv2e(h.mean(dim=1))
+
+
+class CrossAttentionBlock(nn.Module):
+    """CA: queries from SA's output, keys/values from the Ekv2E rows of target-verified tokens,
+    RoPE on both at their own token positions."""
+
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__()
+        width = config.target_signature.hidden_size
+        self.query_norm = RMSNorm(width, config.rms_norm_eps)
+        self.row_norm = RMSNorm(width, config.rms_norm_eps)
+        self.attn = AttentionProjections(width, width, config.ca_num_heads, config.ca_num_kv_heads, config.ca_head_dim)
+        self.post_norm = RMSNorm(width, config.rms_norm_eps)
+        self.mlp = SwiGLU(width, config.ca_intermediate_size)
+        self.rotary = RotaryEmbedding(config.ca_head_dim, config.rope_theta)
+
+    def row_keys_values(self, rows: Tensor, row_positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Ekv2E rows [B, S, E] at positions [B, S] -> k, v [B, H_kv, S, d]"""
+        cos, sin = self.rotary(row_positions, rows.dtype)
+        k, v = self.attn.keys_values(self.row_norm(rows))
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, hidden: Tensor, positions: Tensor, row_k: Tensor, row_v: Tensor, mask: Tensor) -> Tensor:
+        """hidden [B, T, E] (SA output) at positions [B, T]; mask [B, 1, T, S] -> [B, T, E]"""
+        cos, sin = self.rotary(positions, hidden.dtype)
+        q = apply_rotary(self.attn.queries(self.query_norm(hidden)), cos, sin)
+        h = hidden + self.attn.output(attend(q, row_k, row_v, mask))
+        return h + self.mlp(self.post_norm(h))
+
+
+@dataclass
+class MoADraftState:
+    """The drafter's caches for a batch of sequences moving in lockstep.
+
+    rows:      [B, R, E] Ekv2E rows of the R target-verified tokens (positions 0..R-1)
+    row_k/v:   CA keys/values of those rows [B, H_kv, R, d] (cached: rows never change)
+    sa:        SA KV cache over verified + drafted tokens
+    tli_true:  the target's own K/V of verified tokens for its last TLI layers
+    tli_pred:  K/V of drafted positions for those layers (cleared when new tokens are verified)
+    """
+
+    rows: Tensor | None = None
+    row_k: Tensor | None = None
+    row_v: Tensor | None = None
+    sa: KVCache = field(default_factory=KVCache)
+    tli_true: TargetKVCache = field(default_factory=TargetKVCache)
+    tli_pred: TargetKVCache = field(default_factory=TargetKVCache)
+
+    @property
+    def num_verified(self) -> int:
+        return 0 if self.rows is None else self.rows.shape[1]
+
+    @property
+    def sa_length(self) -> int:
+        return self.sa.length
+
+
+class MoADrafter(Drafter):
+    config_class = MoAConfig
+
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__(config)
+        config.check_values()
+        self.tli = config.tli
+        self.lsa = LayerSelfAttention(config)
+        sig = config.target_signature
+        self.sa = DecoderBlock(sig.hidden_size, config.sa_num_heads, config.sa_num_kv_heads, config.sa_head_dim,
+                               config.sa_intermediate_size, config.rope_theta, config.rms_norm_eps)
+        self.ca = CrossAttentionBlock(config)
+        # TLI = 0: CA output is the final post-norm hidden state, so the drafter owns that norm.
+        self.out_norm = RMSNorm(config.target_signature.hidden_size, config.rms_norm_eps) if self.tli == 0 else None
+
+    # -- shared pieces ------------------------------------------------------------------------
+    def rows_from_kv(self, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+        """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens -> Ekv2E rows [B, T, E]."""
+        layer_rows = stack_layer_kv(keys, values)  # [B, T, L, 2*Ekv]
+        b, t, num_layers, width = layer_rows.shape
+        return self.lsa(layer_rows.reshape(b * t, num_layers, width)).view(b, t, -1)
+
+    def _head(self, ca_out: Tensor) -> Tensor:
+        """CA output -> predicted feature (TLI = 0: final post-norm hidden; else: hidden entering L-N)."""
+        return self.out_norm(ca_out) if self.out_norm is not None else ca_out
+
+    # -- training mode ------------------------------------------------------------------------
+    def training_forward(self, batch: TrainingBatchView, target: TargetModel, target_out: TargetOutput) -> DraftOutput:
+        ids, s = batch.input_ids, batch.last_anchor
+        b, t = ids.shape
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        rows = self.rows_from_kv(target_out.keys, target_out.values)  # [B, T, E]
+        hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
+        row_k, row_v = self.ca.row_keys_values(rows, positions)
+        feature = self._head(self.ca(hidden, positions, row_k, row_v, cross_attention_mask(s)))
+        if self.tli == 0:
+            final_target = target_out.hidden_states[-1]
+            return DraftOutput(target.lm_head(feature), [(feature, final_target, 1.0)])
+        # TLI > 0: at anchors the true hidden state replaces the prediction (the target's own
+        # output there); elsewhere the last N layers attend true rows <= s(i), predicted rows > s(i).
+        first = target.num_layers - self.tli
+        true_mid = target_out.hidden_states[first]
+        anchors = (s == torch.arange(t, device=ids.device))[..., None]
+        mid = torch.where(anchors, true_mid, feature)
+        final = target.run_last_layers(
+            self.tli, mid, positions, target_out.keys[first:], target_out.values[first:], target_layers_mask(s)
+        )
+        final_target = target_out.hidden_states[-1]
+        return DraftOutput(target.lm_head(final), [(feature, true_mid, 0.5), (final, final_target, 0.5)])
+
+    # -- incremental drafting -----------------------------------------------------------------
+    def new_state(self) -> MoADraftState:
+        return MoADraftState()
+
+    def extend_verified(self, state: MoADraftState, keys: list[Tensor], values: list[Tensor]) -> None:
+        """Append n newly verified tokens: their per-layer target K/V (L x [B, H_kv, n, d]) become
+        n Ekv2E rows; their last-N-layer K/V join the TLI cache. Drafted TLI rows are dropped."""
+        new_rows = self.rows_from_kv(keys, values)  # [B, n, E]
+        b, n, _ = new_rows.shape
+        start = state.num_verified
+        positions = torch.arange(start, start + n, device=new_rows.device).expand(b, n)
+        k, v = self.ca.row_keys_values(new_rows, positions)
+        if state.rows is None:
+            state.rows, state.row_k, state.row_v = new_rows, k, v
+        else:
+            state.rows = torch.cat([state.rows, new_rows], dim=1)
+            state.row_k = torch.cat([state.row_k, k], dim=2)
+            state.row_v = torch.cat([state.row_v, v], dim=2)
+        first = len(keys) - self.tli
+        for i in range(self.tli):
+            state.tli_true.append(i, keys[first + i], values[first + i])
+        state.tli_pred = TargetKVCache()
+
+    def feed(self, state: MoADraftState, input_ids: Tensor, target: TargetModel) -> None:
+        """Run tokens [B, n] through SA only (verified tokens whose drafts are not needed)."""
+        b, n = input_ids.shape
+        start = state.sa_length
+        if self.tli > 0 and start + n > state.num_verified:
+            raise ValueError("feed() is for verified tokens only; use draft_step() past the last verified token")
+        positions = torch.arange(start, start + n, device=input_ids.device).expand(b, n)
+        self.sa(target.embed(input_ids), positions, causal_mask_after(start, n, input_ids.device), state.sa)
+
+    def rollback(self, state: MoADraftState, length: int) -> None:
+        """Forget SA tokens from position `length` on (rejected drafts)."""
+        state.sa.crop(length)
+        state.tli_pred.crop(max(0, length - state.num_verified))
+
+    def draft_step(self, state: MoADraftState, input_ids: Tensor, target: TargetModel) -> Tensor:
+        """Feed tokens [B, n] at the next SA positions (all past the last verified token) and
+        return next-token logits [B, n, V]."""
+        b, n = input_ids.shape
+        start, num_rows = state.sa_length, state.num_verified
+        if num_rows == 0:
+            raise ValueError("draft_step needs at least one verified token (call extend_verified first)")
+        if self.tli > 0 and start < num_rows:
+            raise ValueError(
+                f"with TLI > 0 drafting starts after the last verified token: SA has {start} tokens, "
+                f"{num_rows} are verified"
+            )
+        device = input_ids.device
+        positions = torch.arange(start, start + n, device=device).expand(b, n)
+        hidden = self.sa(target.embed(input_ids), positions, causal_mask_after(start, n, device), state.sa)
+        row_pos = torch.arange(num_rows, device=device)
+        query_pos = torch.arange(start, start + n, device=device)
+        ca_mask = (row_pos[None, :] <= query_pos[:, None])[None, None]  # j <= min(i, R-1)
+        feature = self._head(self.ca(hidden, positions, state.row_k, state.row_v, ca_mask))
+        if self.tli == 0:
+            return target.lm_head(feature)
+        # predicted rows so far cover positions num_rows .. start-1, then these n
+        pred_pos = torch.arange(num_rows, start + n, device=device)
+        pred_mask = pred_pos[None, :] <= query_pos[:, None]
+        true_mask = torch.ones(n, num_rows, dtype=torch.bool, device=device)
+        mask = torch.cat([true_mask, pred_mask], dim=-1)[None, None]
+        final = target.run_last_layers(
+            self.tli, feature, positions, state.tli_true.keys, state.tli_true.values, mask, state.tli_pred
+        )
+        return target.lm_head(final)
+

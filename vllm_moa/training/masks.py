@@ -1,0 +1,66 @@
+"""K-step-bounded training masks (moa-reference.md section 2).
+
+An *anchor* stands in for "the last token the target has verified". `last_anchor[b, i]` = s(i),
+the last anchor at or before position i. At inference, a drafter k steps past an anchor sees
+target activations only up to the anchor: the masks below give training exactly that view, so
+one teacher-forced forward trains every draft depth at once.
+
+All masks are boolean, True = may attend, shaped [B, 1, T_q, T_k].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def anchor_flags(length: int, prompt_length: int, every: int, device: torch.device | str = "cpu") -> Tensor:
+    """Anchors of one sequence: all prompt positions, and response positions whose index (from the
+    response start) is a multiple of `every`. Position 0 is always an anchor. -> [T] bool"""
+    if every < 1:
+        raise ValueError(f"anchor spacing 'every' must be >= 1, got {every}")
+    positions = torch.arange(length, device=device)
+    flags = (positions < prompt_length) | ((positions - prompt_length) % every == 0)
+    flags[0] = True
+    return flags
+
+
+def last_anchor(flags: Tensor) -> Tensor:
+    """[B, T] anchor flags -> s [B, T]: index of the last anchor at or before each position."""
+    positions = torch.arange(flags.shape[-1], device=flags.device).expand_as(flags)
+    marked = torch.where(flags, positions, torch.zeros_like(positions))
+    return torch.cummax(marked, dim=-1).values
+
+
+def draft_depth(s: Tensor) -> Tensor:
+    """[B, T] -> k = i - s(i): how many steps past its anchor each position drafts."""
+    positions = torch.arange(s.shape[-1], device=s.device)
+    return positions - s
+
+
+def cross_attention_mask(s: Tensor) -> Tensor:
+    """CA: position i reads target rows j <= s(i). [B, T] -> [B, 1, T, T]"""
+    j = torch.arange(s.shape[-1], device=s.device)
+    return (j[None, None, :] <= s[:, :, None])[:, None]
+
+
+def self_attention_mask(s: Tensor, staircase: Tensor | None = None) -> Tensor:
+    """SA: causal; with the staircase (per sample, [B] bool) position i sees only tokens
+    s(i)+1..i plus itself. [B, T] -> [B, 1, T, T]"""
+    t = s.shape[-1]
+    i = torch.arange(t, device=s.device)
+    causal = (i[None, :] <= i[:, None])[None].expand(s.shape[0], t, t)
+    if staircase is None:
+        return causal[:, None]
+    stair = causal & ((i[None, None, :] > s[:, :, None]) | (i[None, None, :] == i[None, :, None]))
+    return torch.where(staircase[:, None, None], stair, causal)[:, None]
+
+
+def target_layers_mask(s: Tensor) -> Tensor:
+    """TLI: the target's last N layers, run on predicted hidden states, attend over
+    [true rows (the target's own K/V); predicted rows]: true j <= s(i), predicted s(i) < j <= i.
+    [B, T] -> [B, 1, T, 2T]"""
+    i = torch.arange(s.shape[-1], device=s.device)
+    true_part = i[None, None, :] <= s[:, :, None]
+    pred_part = (i[None, None, :] > s[:, :, None]) & (i[None, None, :] <= i[None, :, None])
+    return torch.cat([true_part, pred_part], dim=-1)[:, None]

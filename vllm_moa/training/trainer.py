@@ -1,0 +1,380 @@
+"""K-step-bounded drafter training with online target features.
+
+Each step: the frozen target runs a no-grad forward over the batch (its per-layer K/V, hidden
+states and logits are the drafter's inputs and labels, nothing is written to disk); anchors are
+drawn per sample; the drafter runs its training forward; loss = KL + SmoothL1 over response
+positions; AdamW with warm-up and linear decay, gradient clipping, optional bf16 autocast.
+
+All randomness of a step (which examples, anchor spacing, staircase coin) is a function of
+(seed, step, example index), so a resumed run and a run split over N workers (distributed.py)
+see exactly the data a single uninterrupted process would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
+from vllm_moa.models import DRAFTER_CLASSES, Drafter, EagleDrafter, TrainingBatchView
+from vllm_moa.models.base import replace_directory
+from vllm_moa.target import TargetModel
+from vllm_moa.training.data import DraftExample, TrainingBatch, collate, global_batch_indices, validate_examples
+from vllm_moa.training.losses import agreement_by_depth, drafter_loss
+from vllm_moa.training.masks import anchor_flags, draft_depth, last_anchor
+
+DrafterKind = Literal["moa", "eagle", "independent"]
+CONFIG_FOR_KIND = {"moa": MoAConfig, "eagle": EagleDrafterConfig, "independent": IndependentDrafterConfig}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint to resume from is missing or unreadable."""
+
+
+class TrainConfig(BaseModel):
+    """Every knob of a training run (the CLI maps one flag to each field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    drafter: DrafterKind = "moa"
+    tli: int = Field(0, ge=0, description="MoA target layer inference depth N")
+    drafter_options: dict[str, Any] = Field(default_factory=dict, description="drafter config sizes")
+    steps: int = Field(300, gt=0)
+    batch_size: int = Field(8, gt=0, description="global batch (sequences per step, all workers)")
+    max_length: int = Field(512, ge=2)
+    lr: float = Field(6e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    kl_weight: float = Field(0.1, ge=0)
+    feature_weight: float = Field(1.0, ge=0)
+    anchor_min: int = Field(6, ge=1)
+    anchor_max: int = Field(14, ge=1)
+    staircase: bool = True
+    staircase_until: float = Field(0.5, ge=0, le=1, description="fraction of steps at which p(staircase) hits 0")
+    eagle_rollout: int = Field(1, ge=1, description="EAGLE feature-autoregression passes in training")
+    eval_depth: int = Field(6, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = Field(10, gt=0)
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    output_dir: str = "runs/drafter"
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.anchor_min > self.anchor_max:
+            raise ValueError(f"anchor_min ({self.anchor_min}) must be <= anchor_max ({self.anchor_max})")
+        if self.drafter != "moa" and self.tli:
+            raise ValueError("tli applies to the moa drafter only")
+        return self
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    drafter_dir: Path
+    steps: int
+    final_loss: float
+    eval_agreement: list[float] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+
+def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
+    """A freshly initialised drafter of `config.drafter` kind for `target` (seeded)."""
+    options = dict(config.drafter_options)
+    config_class = CONFIG_FOR_KIND[config.drafter]
+    unknown = sorted(set(options) - set(config_class.DRAFTER_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"drafter_options: unknown key(s) {', '.join(map(repr, unknown))} for the {config.drafter} drafter; "
+            f"known: {', '.join(sorted(config_class.DRAFTER_FIELDS))}"
+        )
+    if config.drafter == "moa":
+        options["tli"] = config.tli
+    try:
+        drafter_config = config_class(target=target.signature, **options)
+        drafter_config.check_values("drafter_options")
+    except TypeError as err:
+        raise ValueError(f"drafter_options: {err}") from None
+    torch.manual_seed(config.seed)
+    drafter = DRAFTER_CLASSES[drafter_config.model_type](drafter_config)
+    if isinstance(drafter, EagleDrafter):
+        drafter.rollout_passes = config.eagle_rollout
+    return drafter
+
+
+def _sample_rng(seed: int, step: int, index: int) -> random.Random:
+    digest = hashlib.sha256(f"{seed}/{step}/{index}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+def staircase_probability(config: TrainConfig, step: int) -> float:
+    if not config.staircase or config.staircase_until == 0:
+        return 0.0
+    return max(0.0, 1.0 - step / (config.staircase_until * config.steps))
+
+
+def anchors_for(batch: TrainingBatch, indices: Sequence[int], config: TrainConfig, step: int,
+                p_staircase: float) -> tuple[Tensor, Tensor]:
+    """Per-sample anchor spacing in [anchor_min, anchor_max] and staircase coin -> (s [B, T], staircase [B])."""
+    t = batch.input_ids.shape[1]
+    flags, stairs = [], []
+    for row, index in enumerate(indices):
+        rng = _sample_rng(config.seed, step, index)
+        every = rng.randint(config.anchor_min, config.anchor_max)
+        flags.append(anchor_flags(t, int(batch.prompt_lengths[row]), every))
+        stairs.append(rng.random() < p_staircase)
+    return last_anchor(torch.stack(flags)), torch.tensor(stairs, dtype=torch.bool)
+
+
+def _lr_lambda(config: TrainConfig):
+    def schedule(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        remaining = max(1, config.steps - config.warmup_steps)
+        progress = min(1.0, (step - config.warmup_steps) / remaining)
+        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * (1.0 - progress)
+
+    return schedule
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_context(precision: str, device: torch.device):
+    use_bf16 = precision == "bf16" or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
+    if not use_bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+class Trainer:
+    """Trains one drafter against one frozen target; rank 0 writes checkpoints and metrics."""
+
+    def __init__(self, config: TrainConfig, target: TargetModel, train_examples: Sequence[DraftExample],
+                 eval_examples: Sequence[DraftExample] = (), rank: int = 0, world_size: int = 1) -> None:
+        validate_examples(train_examples, "training data")
+        if config.batch_size % world_size:
+            raise ValueError(f"batch_size {config.batch_size} must be divisible by the {world_size} workers")
+        self.config = config
+        self.target = target
+        self.train_examples = list(train_examples)
+        self.eval_examples = list(eval_examples)
+        self.rank, self.world_size = rank, world_size
+        self.device = resolve_device(config.device)
+        self.output_dir = Path(config.output_dir)
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.drafter = build_drafter(config, target).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        self.step = 0
+
+    # -- distributed helpers ------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _all_reduce(self, tensor: Tensor) -> Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum gradients over workers in one flat buffer (losses are pre-scaled by the global count)."""
+        if not self.distributed:
+            return
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # -- one step -----------------------------------------------------------------------------
+    def _local_indices(self, step: int) -> list[int]:
+        indices = global_batch_indices(len(self.train_examples), self.config.batch_size, step, self.config.seed)
+        share = self.config.batch_size // self.world_size
+        return indices[self.rank * share : (self.rank + 1) * share]
+
+    def _forward(self, examples: Sequence[DraftExample], indices: Sequence[int], step: int, p_staircase: float,
+                 eagle_rollout: int | None = None):
+        batch = collate(examples, max_length=self.config.max_length).to(self.device)
+        s, staircase = anchors_for(batch, indices, self.config, step, p_staircase)
+        s, staircase = s.to(self.device), staircase.to(self.device)
+        view = TrainingBatchView(batch.input_ids, s, staircase)
+        with autocast_context(self.config.precision, self.device):
+            with torch.no_grad():
+                target_out = self.target(batch.input_ids)
+            if isinstance(self.drafter, EagleDrafter) and eagle_rollout is not None:
+                output = self.drafter.training_forward(view, self.target, target_out, rollout_passes=eagle_rollout)
+            else:
+                output = self.drafter.training_forward(view, self.target, target_out)
+        parts = drafter_loss(output, target_out.logits, batch.loss_mask, self.config.kl_weight,
+                             self.config.feature_weight)
+        return batch, s, output, target_out, parts
+
+    def train_step(self) -> dict[str, Any]:
+        config, step = self.config, self.step
+        indices = self._local_indices(step)
+        examples = [self.train_examples[i] for i in indices]
+        self.drafter.train()
+        batch, s, output, target_out, parts = self._forward(examples, indices, step,
+                                                            staircase_probability(config, step))
+        global_count = self._all_reduce(parts.count.detach().clone()).clamp_min(1.0)
+        (parts.total / global_count).backward()
+        self._all_reduce_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), config.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        hits, counts = agreement_by_depth(output.logits, target_out.logits, draft_depth(s), batch.loss_mask,
+                                          config.eval_depth)
+        totals = self._all_reduce(torch.stack([parts.total.detach(), parts.kl, parts.feature]).float())
+        hits, counts = self._all_reduce(hits), self._all_reduce(counts)
+        self.step += 1
+        return {
+            "step": self.step,
+            "loss": (totals[0] / global_count).item(),
+            "kl": (totals[1] / global_count).item(),
+            "feature": (totals[2] / global_count).item(),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "p_staircase": staircase_probability(config, step),
+            "agreement": [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)],
+        }
+
+    # -- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[DraftExample] | None = None, batch_size: int = 8) -> list[float | None]:
+        """Top-1 agreement with the target at draft depths 0..eval_depth (causal SA, exact
+        EAGLE feature autoregression)."""
+        examples = list(self.eval_examples if examples is None else examples)
+        if not examples:
+            return []
+        self.drafter.eval()
+        depth = self.config.eval_depth
+        hits = torch.zeros(depth + 1, device=self.device)
+        counts = torch.zeros(depth + 1, device=self.device)
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            indices = list(range(10**9 + start, 10**9 + start + len(chunk)))  # eval-only rng stream
+            batch, s, output, target_out, _ = self._forward(chunk, indices, 0, 0.0, eagle_rollout=depth + 1)
+            h, c = agreement_by_depth(output.logits, target_out.logits, draft_depth(s), batch.loss_mask, depth)
+            hits += h
+            counts += c
+        return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write checkpoints/step-NNNNNN atomically, then point `latest` at it; prune old ones."""
+        self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+        final = self.checkpoint_root / f"step-{self.step:06d}"
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.checkpoint_root))
+        self.drafter.save_pretrained(tmp / "drafter")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "step": self.step, "config": self.config.model_dump(mode="json")}, tmp / "trainer_state.pt")
+        replace_directory(tmp, final)
+        _write_atomic(self.checkpoint_root / "latest", final.name)
+        for old in sorted(self.checkpoint_root.glob("step-*"))[: -self.config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | Path | None = None) -> None:
+        """Resume from `path` (a step-NNNNNN directory) or the run's `latest` checkpoint."""
+        if path is None:
+            pointer = self.checkpoint_root / "latest"
+            if not pointer.is_file():
+                raise CheckpointError(f"no checkpoint to resume from: {pointer} does not exist")
+            path = self.checkpoint_root / pointer.read_text().strip()
+        path = Path(path)
+        state_file, drafter_dir = path / "trainer_state.pt", path / "drafter"
+        if not state_file.is_file() or not drafter_dir.is_dir():
+            raise CheckpointError(f"checkpoint {path} is missing or incomplete (need trainer_state.pt and drafter/)")
+        try:
+            state = torch.load(state_file, map_location=self.device, weights_only=True)
+            loaded = type(self.drafter).from_pretrained(drafter_dir, self.target)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            step = int(state["step"])
+        except CheckpointError:
+            raise
+        except Exception as err:  # a corrupt file may fail in torch, safetensors or pickle
+            raise CheckpointError(f"checkpoint {path} is corrupt: {type(err).__name__}: {err}") from None
+        self.drafter.load_state_dict(loaded.state_dict())
+        self.step = step
+
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self, resume: bool | str | Path = False) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        if resume:
+            self.load_checkpoint(None if resume is True else resume)
+        config = self.config
+        is_main = self.rank == 0
+        if is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "train_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        started = time.time()
+        last: dict[str, Any] = {}
+        bar = tqdm(total=config.steps, initial=self.step, desc=f"train {config.drafter}",
+                   disable=not (config.progress and is_main))
+        with bar:
+            while self.step < config.steps:
+                last = self.train_step()
+                if not math.isfinite(last["loss"]):
+                    raise FloatingPointError(f"loss became {last['loss']} at step {self.step}; lower the lr")
+                bar.update(1)
+                if is_main and (self.step % config.log_every == 0 or self.step == config.steps):
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc1=last["agreement"][1])
+                    with self.metrics_path.open("a") as f:
+                        f.write(json.dumps(last) + "\n")
+                if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                    if is_main:
+                        self.save_checkpoint()
+                    if self.distributed:
+                        dist.barrier()
+        eval_agreement = self.evaluate() if self.eval_examples else []
+        drafter_dir = self.output_dir / "drafter"
+        if is_main:
+            self.drafter.save_pretrained(drafter_dir)
+            summary = {"steps": self.step, "final_loss": last.get("loss"), "eval_agreement_by_depth": eval_agreement,
+                       "wall_time_s": round(time.time() - started, 1), "world_size": self.world_size}
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return TrainResult(self.output_dir, drafter_dir, self.step, float(last.get("loss", float("nan"))),
+                           eval_agreement, time.time() - started)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
