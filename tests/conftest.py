@@ -1,39 +1,31 @@
-"""Shared fixtures: tiny random Llama / Qwen2 targets, built in memory or saved to a temp dir."""
+"""Shared fixtures. Helpers live in tiny_models.py (a module name no other conftest can shadow)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from pathlib import Path
+
+# Triton decides at import whether @triton.jit kernels are compiled or interpreted, and torch /
+# transformers import Triton early: choose the CPU interpreter before anything else is imported.
+if not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from vllm_moa.target import TargetModel
+sys.path.insert(0, str(Path(__file__).parent))
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def make_hf_target(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    kwargs = {**TINY, **overrides}
-    if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
-    if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
-    raise ValueError(family)
-
-
-def make_target(family: str = "llama", seed: int = 0, **overrides) -> TargetModel:
-    return TargetModel(make_hf_target(family, seed, **overrides), name=f"tiny-{family}-{seed}")
+from tiny_models import make_hf_target, make_target  # noqa: E402
 
 
 @pytest.fixture(params=["llama", "qwen2"])
-def tiny_target(request) -> TargetModel:
+def tiny_target(request):
     return make_target(request.param)
 
 
 @pytest.fixture
 def tiny_target_dir(tmp_path):
-    model = make_hf_target("llama")
     path = tmp_path / "tiny-llama"
-    model.save_pretrained(path)
+    make_hf_target("llama").save_pretrained(path)
     return path

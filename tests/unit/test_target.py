@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import make_target
+from tiny_models import make_target
 from vllm_moa.target import TargetKVCache, TargetModel, UnsupportedTargetError
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_target
+from tiny_models import make_target
 from vllm_moa.training.data import DatasetError, DraftExample, collate
 from vllm_moa.training.masks import (
     anchor_flags,
@@ -67,7 +67,11 @@ def test_bad_data_is_refused_before_training(tmp_path, examples, match):
     assert not (tmp_path / "run").exists()
 
 
-def test_bad_options_are_refused():
+def test_bad_options_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'sa_num_heds'"):
+        Trainer(_config(tmp_path, drafter_options={"sa_num_heds": 2}), make_target("llama"), _examples())
+    with pytest.raises(ValueError, match="'lsa_num_heads'"):
+        Trainer(_config(tmp_path, drafter_options={"lsa_num_heads": 5}), make_target("llama"), _examples())
     with pytest.raises(ValueError, match="anchor_min"):
         TrainConfig(anchor_min=9, anchor_max=3)
     with pytest.raises(ValueError, match="extra"):
@@ -76,7 +80,9 @@ def test_bad_options_are_refused():
 
 @pytest.mark.parametrize("drafter,tli", [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0)])
 def test_every_drafter_trains_and_logs(tmp_path, drafter, tli):
-    trainer = Trainer(_config(tmp_path, drafter=drafter, tli=tli, steps=4), make_target("llama"), _examples(),
+    options = SMALL if drafter == "moa" else dict(intermediate_size=64)
+    trainer = Trainer(_config(tmp_path, drafter=drafter, tli=tli, steps=4, drafter_options=options),
+                      make_target("llama"), _examples(),
                       eval_examples=_examples(2))
     result = trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

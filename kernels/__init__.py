@@ -1,0 +1,94 @@
+"""Triton kernels for MoA's two hot paths inside a serving engine, each with a PyTorch twin.
+
+Installed as ``vllm_moa.kernels`` (the folder is the repository's top-level ``kernels/``).
+
+The switch (one, documented in kernels/_backend.py)::
+
+    VLLM_MOA_KERNELS = auto | triton | torch     auto: Triton on CUDA tensors, the twins otherwise
+
+Public API
+----------
+LSA over the target's paged per-layer KV (kernels/lsa.py)
+    lsa_attention(lsa, caches, slots, layout=, chunk_tokens=, backend=) -> [N, E]   (dispatch)
+    lsa_rows_from_paged(...)        the Triton path (gather-GEMM + layer attention + residual)
+    lsa_attention_reference(...)    the twin: gather_layer_rows + the LayerSelfAttention module
+Tree attention over a paged KV cache (kernels/tree.py)
+    tree_attention_paged(q, kv_cache, block_tables, prefix_lens, cu_seqlens_q, ancestor_masks,
+                         layout=, sm_scale=, backend=) -> [T, H, d]                  (dispatch)
+    tree_attention_triton(...)      the Triton kernel
+    tree_attention_reference(...)   the twin: dense boolean mask + F.scaled_dot_product_attention
+    tree_ancestor_masks(parents, cu_seqlens) -> int64 [T]
+Tree acceptance (kernels/accept.py; optional fused kernels, one program per tree)
+    tree_accept_greedy(draft_tokens, target_tokens, parents, ancestor_masks, cu_seqlens, backend=)
+    tree_accept_sampling(draft_tokens, parents, cu_seqlens, target_probs, draft_probs, uniforms,
+                         bonus_uniforms, backend=)          -> TreeAcceptance (dispatch)
+    tree_accept_{greedy,sampling}_{triton,reference}(...)
+Paged caches (kernels/paged.py; the layout is documented there)
+    split_kv_cache, gather_slots, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,
+    PagedLayers
+Backend
+    use_triton(device=None, backend=None) -> bool, kernel_backend(), HAS_TRITON
+
+Everything imports without Triton; only calls that resolve to Triton need it.
+"""
+
+from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, use_triton
+from .accept import (
+    TreeAcceptance,
+    tree_accept_greedy,
+    tree_accept_greedy_reference,
+    tree_accept_greedy_triton,
+    tree_accept_sampling,
+    tree_accept_sampling_reference,
+    tree_accept_sampling_triton,
+)
+from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
+from .paged import (
+    LAYOUTS,
+    PagedLayers,
+    gather_layer_rows,
+    gather_slots,
+    new_kv_cache,
+    slot_mapping,
+    split_kv_cache,
+    write_slots,
+)
+from .tree import (
+    MAX_TREE_NODES,
+    tree_ancestor_masks,
+    tree_attention_paged,
+    tree_attention_reference,
+    tree_attention_triton,
+)
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "HAS_TRITON",
+    "LAYOUTS",
+    "MAX_TREE_NODES",
+    "PagedLayers",
+    "TreeAcceptance",
+    "gather_layer_rows",
+    "gather_slots",
+    "interpreting",
+    "kernel_backend",
+    "lsa_attention",
+    "lsa_attention_reference",
+    "lsa_rows_from_paged",
+    "new_kv_cache",
+    "slot_mapping",
+    "split_kv_cache",
+    "tree_accept_greedy",
+    "tree_accept_greedy_reference",
+    "tree_accept_greedy_triton",
+    "tree_accept_sampling",
+    "tree_accept_sampling_reference",
+    "tree_accept_sampling_triton",
+    "tree_ancestor_masks",
+    "tree_attention_paged",
+    "tree_attention_reference",
+    "tree_attention_triton",
+    "use_triton",
+    "write_slots",
+]

@@ -1,0 +1,52 @@
+"""The one switch: VLLM_MOA_KERNELS = auto | triton | torch (PyTorch only, no kernel runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_env import device, no_kernel_env_override  # noqa: F401  (fixtures, TRITON_INTERPRET)
+
+from vllm_moa import kernels
+from vllm_moa.kernels import HAS_TRITON, kernel_backend, use_triton
+
+
+def test_default_is_auto(monkeypatch):
+    assert kernel_backend() == "auto"
+    assert use_triton("cpu") is False  # auto: twins on CPU, even under the interpreter
+    assert use_triton(torch.device("cuda")) is HAS_TRITON
+
+
+def test_torch_forces_twins(monkeypatch):
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "torch")
+    assert use_triton("cuda") is False and use_triton("cpu") is False
+
+
+def test_triton_forced(monkeypatch):
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "triton")
+    if not HAS_TRITON:
+        with pytest.raises(RuntimeError, match="not installed"):
+            use_triton("cpu")
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton("cpu") is True
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        use_triton("cpu")
+    assert use_triton("cuda") is True
+
+
+def test_argument_overrides_env_and_bad_values(monkeypatch):
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "triton")
+    assert use_triton("cuda", backend="torch") is False
+    assert kernel_backend(" Torch ") == "torch"
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        use_triton("cpu")
+
+
+def test_public_api():
+    for name in ("lsa_attention", "lsa_attention_reference", "lsa_rows_from_paged", "tree_attention_paged",
+                 "tree_attention_reference", "tree_attention_triton", "tree_ancestor_masks", "use_triton"):
+        assert name in kernels.__all__ and callable(getattr(kernels, name))
+        assert getattr(kernels, name).__doc__
