@@ -14,6 +14,7 @@ CORE_REQUIRES = [
     "pydantic>=2.5",
     "typer>=0.12",
     "tqdm>=4.60",
+    "packaging",
     # Triton kernels (GPU, or TRITON_INTERPRET=1 on CPU); no wheels outside Linux, where the
     # PyTorch twins run instead.
     "triton>=3.0; platform_system == 'Linux'",
@@ -38,6 +39,8 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir={"vllm_moa.kernels": "kernels"},
+    # the demo target + drafters (fp16, < 20 MB), built by vllm_moa/recipes/stdlib_demo.py
+    package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*/*"]},
     install_requires=CORE_REQUIRES,
     extras_require=EXTRAS,
     entry_points={

@@ -22,7 +22,8 @@ def demo(
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
     num_draft: int = typer.Option(4, help="Draft chain length K per target forward."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out stdlib file)."),
-    cache_dir: Optional[Path] = typer.Option(None, help="Where the demo models live (default ~/.cache/vllm-moa)."),
+    drafter: str = typer.Option("moa-tli0", help="Shipped drafter: moa-tli0 | moa-tli1."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where models built on the fly are cached (default ~/.cache/vllm-moa)."),
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
 ) -> None:
     """Generate from the demo target with MoA speculative decoding on CPU; print the text, the
@@ -30,7 +31,7 @@ def demo(
     from vllm_moa.demo import run_demo
 
     try:
-        result = run_demo(cache_dir, max_new_tokens=max_new_tokens, num_draft=num_draft, prompt=prompt)
+        result = run_demo(cache_dir, max_new_tokens=max_new_tokens, num_draft=num_draft, prompt=prompt, drafter=drafter)
     except ValueError as err:
         _fail(str(err))
     if json_output:
@@ -42,6 +43,7 @@ def demo(
     typer.echo(result["text"])
     typer.echo("-----")
     typer.echo(f"tokens generated        : {result['new_tokens']} (identical to plain greedy decoding)")
+    typer.echo(f"drafter                 : {result['drafter']} (models in {result['models']})")
     typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward (K={num_draft})")
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
     typer.echo(f"plain decoding tokens/s : {result['plain_tokens_per_s']:.1f}")
@@ -78,7 +80,7 @@ def train(
     staircase: bool = typer.Option(True, help="Staircase SA mask curriculum early in training."),
     staircase_until: float = typer.Option(0.5, help="Share of training at which the staircase probability reaches 0."),
     eagle_rollout: int = typer.Option(1, help="EAGLE feature-autoregression passes in training (1 = teacher forcing)."),
-    eval_depth: int = typer.Option(6, help="Report agreement with the target at draft depths 1..this."),
+    eval_depth: int = typer.Option(6, help="Report agreement with the target at draft depths 0..this (0 = the anchor itself)."),
     precision: str = typer.Option("auto", help="auto (bf16 autocast on CUDA when supported) | fp32 | bf16."),
     device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
     seed: int = typer.Option(0, help="Seed of initialisation, data order, anchors and staircase."),
@@ -127,7 +129,7 @@ def train(
             from vllm_moa.training.distributed import train_with_ray
 
             summary = train_with_ray(config, target, train_examples, eval_examples, ray_workers, ray_gpu,
-                                     resume=bool(resume_arg))
+                                     resume=resume_arg)
         else:
             model = TargetModel.from_pretrained(target, device="cuda" if device == "auto" and _has_cuda() else
                                                 ("cpu" if device == "auto" else device))

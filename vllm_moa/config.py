@@ -74,6 +74,13 @@ class TargetSignature:
         missing = [name for name in cls.SHAPE_FIELDS if name not in data]
         if missing:
             raise DrafterConfigError(f"config 'target' is missing key(s): {', '.join(missing)}")
+        for f in fields(cls):
+            if f.name in data:
+                want = str if f.name in ("architecture", "name", "fingerprint") else int
+                if type(data[f.name]) is not want:
+                    raise DrafterConfigError(
+                        f"config 'target' key {f.name!r} must be {want.__name__}, got {data[f.name]!r}"
+                    )
         return cls(**data)
 
     def check_compatible(self, actual: "TargetSignature", *, strict_fingerprint: bool = True) -> None:
@@ -131,7 +138,8 @@ class DrafterConfigBase(PretrainedConfig):
             if key not in cls.DRAFTER_FIELDS:
                 raise DrafterConfigError(f"{source}: unknown key {key!r} for {cls.__name__}")
             try:
-                TypeAdapter(cls.DRAFTER_FIELDS[key]).validate_python(value, strict=True)
+                strict = cls.DRAFTER_FIELDS[key] is not float  # 10000 is a fine rope_theta
+                TypeAdapter(cls.DRAFTER_FIELDS[key]).validate_python(value, strict=strict)
             except ValidationError as err:
                 raise DrafterConfigError(
                     f"{source}: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}"

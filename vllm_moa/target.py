@@ -97,18 +97,27 @@ class TargetModel(nn.Module):
         self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size: int = cfg.vocab_size
-        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None
-        if self.sliding_window is not None:
-            raise UnsupportedTargetError("targets with sliding-window attention are not supported yet")
+        window = getattr(cfg, "sliding_window", None)
+        if getattr(cfg, "use_sliding_window", True) and window and window < getattr(cfg, "max_position_embeddings", 0):
+            raise UnsupportedTargetError(
+                f"target uses sliding-window attention (sliding_window={window}); not supported yet"
+            )
         self._fingerprint: str | None = None
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "TargetModel":
+        import transformers
+        from packaging.version import Version
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        # transformers renamed `torch_dtype` to `dtype` in 4.56
+        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(str(path), **{key: dtype})
+        except (OSError, ValueError) as err:
+            raise UnsupportedTargetError(f"cannot load a causal LM target from {path}: {err}") from None
         return cls(hf_model.to(device), name=Path(str(path)).name)
 
     # -- parts --------------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def _edit_config(path, **changes):
     (dict(ca_head_dim=None), "ca_head_dim"),
     (dict(model_type="llama"), "'model_type'"),
     (dict(target={"architecture": "LlamaForCausalLM"}), "target"),
+    (dict(target={"architecture": "LlamaForCausalLM", "num_layers": "4", "hidden_size": 64, "num_attention_heads": 4,
+                  "num_kv_heads": 2, "head_dim": 16, "vocab_size": 97}), "'num_layers'"),
 ])
 def test_malformed_config_names_the_key(tmp_path, changes, match):
     target = make_target("llama")

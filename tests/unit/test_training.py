@@ -132,3 +132,27 @@ def test_missing_or_corrupt_checkpoint(tmp_path):
     assert _digest(good) == good_digest
     fresh.load_checkpoint(good)
     assert fresh.step == 1
+
+
+def test_resume_with_another_drafter_shape_is_refused(tmp_path):
+    target = make_target("llama")
+    trainer = Trainer(_config(tmp_path), target, _examples())
+    trainer.train_step()
+    trainer.save_checkpoint()
+    other = Trainer(_config(tmp_path, drafter_options={**SMALL, "sa_intermediate_size": 32}), target, _examples())
+    with pytest.raises(CheckpointError, match="drafter_options"):
+        other.load_checkpoint()
+    other_tli = Trainer(_config(tmp_path, tli=1), target, _examples())
+    with pytest.raises(CheckpointError, match="tli"):
+        other_tli.load_checkpoint()
+
+
+def test_prompts_longer_than_max_length_are_refused(tmp_path):
+    long_prompt = [DraftExample(tuple(range(1, 40)), prompt_length=30)]
+    with pytest.raises(DatasetError, match="max_length=16"):
+        Trainer(_config(tmp_path, max_length=16), make_target("llama"), long_prompt)
+
+
+def test_drafter_option_types_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="'sa_num_heads'"):
+        Trainer(_config(tmp_path, drafter_options={"sa_num_heads": 4.0}), make_target("llama"), _examples())

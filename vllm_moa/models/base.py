@@ -88,7 +88,7 @@ class Drafter(nn.Module):
                 f"{path}: weights do not match config.json (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
         if target is not None:
-            model.to(device=target.device)
+            model.to(device=target.device, dtype=target.dtype)
         return model
 
 

@@ -136,7 +136,8 @@ class MoADrafter(Drafter):
         self.sa = DecoderBlock(sig.hidden_size, config.sa_num_heads, config.sa_num_kv_heads, config.sa_head_dim,
                                config.sa_intermediate_size, config.rope_theta, config.rms_norm_eps)
         self.ca = CrossAttentionBlock(config)
-        # TLI = 0: CA output is the final post-norm hidden state, so the drafter owns that norm.
+        # TLI = 0: the CA output stands for the target's final *post-norm* hidden state; a trainable
+        # RMSNorm (our addition to the reference) puts it on that scale before the LM head.
         self.out_norm = RMSNorm(config.target_signature.hidden_size, config.rms_norm_eps) if self.tli == 0 else None
 
     # -- shared pieces ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_moa.training.data import DraftExample, validate_examples
-from vllm_moa.training.trainer import TrainConfig
+from vllm_moa.training.trainer import CheckpointError, TrainConfig
 
 
 def _worker_loop(loop_config: dict[str, Any]) -> None:
@@ -38,7 +38,7 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
 
 def train_with_ray(config: TrainConfig, target_dir: str | Path, train: list[DraftExample],
                    held_out: list[DraftExample] = (), num_workers: int = 2, use_gpu: bool = False,
-                   resume: bool = False) -> dict[str, Any]:
+                   resume: bool | str | Path = False) -> dict[str, Any]:
     """Run training on a Ray cluster (started locally if none is running). Returns the run's
     summary.json; the drafter and metrics land in `config.output_dir` as with one process."""
     try:
@@ -50,6 +50,12 @@ def train_with_ray(config: TrainConfig, target_dir: str | Path, train: list[Draf
     validate_examples(train, "training data")
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if config.batch_size % num_workers:
+        raise ValueError(f"batch_size {config.batch_size} must be divisible by the {num_workers} Ray workers")
+    if resume:  # refuse a missing checkpoint here, not as a worker's traceback
+        checkpoint = Path(config.output_dir) / "checkpoints" / "latest" if resume is True else Path(resume)
+        if not checkpoint.exists():
+            raise CheckpointError(f"no checkpoint to resume from: {checkpoint} does not exist")
     if not ray.is_initialized():
         ray.init(num_cpus=max(num_workers + 1, 2), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
@@ -59,7 +65,7 @@ def train_with_ray(config: TrainConfig, target_dir: str | Path, train: list[Draf
         "target_dir": str(Path(target_dir).resolve()),
         "train": [(list(e.input_ids), e.prompt_length) for e in train],
         "eval": [(list(e.input_ids), e.prompt_length) for e in held_out],
-        "resume": resume,
+        "resume": resume if isinstance(resume, bool) else str(Path(resume).resolve()),
     }
     trainer = TorchTrainer(
         _worker_loop,
@@ -69,7 +75,11 @@ def train_with_ray(config: TrainConfig, target_dir: str | Path, train: list[Draf
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(name="vllm-moa-train", storage_path=str(output_dir / "ray")),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as err:  # Ray wraps a worker's exception; surface the original one
+        cause = getattr(err, "__cause__", None)
+        raise (cause if isinstance(cause, Exception) else err) from None
     if result.error is not None:
         raise result.error
     # rank 0 wrote the same summary.json a single-process run writes

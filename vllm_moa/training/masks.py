@@ -15,8 +15,9 @@ from torch import Tensor
 
 
 def anchor_flags(length: int, prompt_length: int, every: int, device: torch.device | str = "cpu") -> Tensor:
-    """Anchors of one sequence: all prompt positions, and response positions whose index (from the
-    response start) is a multiple of `every`. Position 0 is always an anchor. -> [T] bool"""
+    """Anchors of one sequence: all prompt positions, and response positions whose index counted
+    from the response start is a multiple of `every` (so the first response token is one, and
+    spacing restarts at the response). Position 0 is always an anchor. -> [T] bool"""
     if every < 1:
         raise ValueError(f"anchor spacing 'every' must be >= 1, got {every}")
     positions = torch.arange(length, device=device)

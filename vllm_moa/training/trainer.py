@@ -28,18 +28,26 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from torch import Tensor
 
-from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
+from vllm_moa.config import DrafterTargetMismatch, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.models import DRAFTER_CLASSES, Drafter, EagleDrafter, TrainingBatchView
 from vllm_moa.models.base import replace_directory
 from vllm_moa.target import TargetModel
-from vllm_moa.training.data import DraftExample, TrainingBatch, collate, global_batch_indices, validate_examples
+from vllm_moa.training.data import (
+    DatasetError,
+    DraftExample,
+    TrainingBatch,
+    collate,
+    global_batch_indices,
+    validate_examples,
+)
 from vllm_moa.training.losses import agreement_by_depth, drafter_loss
 from vllm_moa.training.masks import anchor_flags, draft_depth, last_anchor
 
 DrafterKind = Literal["moa", "eagle", "independent"]
+FLOAT_FIELDS = ("rope_theta", "lsa_rope_theta", "rms_norm_eps")  # an int is fine there
 CONFIG_FOR_KIND = {"moa": MoAConfig, "eagle": EagleDrafterConfig, "independent": IndependentDrafterConfig}
 
 
@@ -110,6 +118,11 @@ def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
             f"drafter_options: unknown key(s) {', '.join(map(repr, unknown))} for the {config.drafter} drafter; "
             f"known: {', '.join(sorted(config_class.DRAFTER_FIELDS))}"
         )
+    for key, value in options.items():
+        try:
+            TypeAdapter(config_class.DRAFTER_FIELDS[key]).validate_python(value, strict=key not in FLOAT_FIELDS)
+        except ValidationError as err:
+            raise ValueError(f"drafter_options: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}") from None
     if config.drafter == "moa":
         options["tli"] = config.tli
     try:
@@ -180,6 +193,12 @@ class Trainer:
     def __init__(self, config: TrainConfig, target: TargetModel, train_examples: Sequence[DraftExample],
                  eval_examples: Sequence[DraftExample] = (), rank: int = 0, world_size: int = 1) -> None:
         validate_examples(train_examples, "training data")
+        untrainable = sum(1 for e in train_examples if min(len(e.input_ids), config.max_length) - e.prompt_length < 1)
+        if untrainable:
+            raise DatasetError(
+                f"{untrainable} of {len(train_examples)} training sequences have no response token within "
+                f"max_length={config.max_length} (their prompts are that long): raise max_length or shorten prompts"
+            )
         if config.batch_size % world_size:
             raise ValueError(f"batch_size {config.batch_size} must be divisible by the {world_size} workers")
         self.config = config
@@ -305,7 +324,10 @@ class Trainer:
                     "step": self.step, "config": self.config.model_dump(mode="json")}, tmp / "trainer_state.pt")
         replace_directory(tmp, final)
         _write_atomic(self.checkpoint_root / "latest", final.name)
-        for old in sorted(self.checkpoint_root.glob("step-*"))[: -self.config.keep_checkpoints]:
+        # prune older checkpoints of this run only: never the new one, never a later step (a
+        # checkpoint from a run this one was resumed behind stays for the user to decide)
+        older = sorted(d for d in self.checkpoint_root.glob("step-*") if d != final and int(d.name[5:]) < self.step)
+        for old in older[: max(0, len(older) - (self.config.keep_checkpoints - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -322,16 +344,37 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} is missing or incomplete (need trainer_state.pt and drafter/)")
         try:
             state = torch.load(state_file, map_location=self.device, weights_only=True)
+            saved = state["config"]
+        except Exception as err:  # a corrupt file may fail in torch or pickle
+            raise CheckpointError(f"checkpoint {path} is corrupt: {type(err).__name__}: {err}") from None
+        current = self.config.model_dump(mode="json")
+        for key in ("drafter", "tli", "drafter_options"):
+            if saved.get(key) != current[key]:
+                raise CheckpointError(
+                    f"checkpoint {path} was trained with {key}={saved.get(key)!r}, this run has "
+                    f"{key}={current[key]!r}: resume with the same drafter, or start a new output_dir"
+                )
+        try:
             loaded = type(self.drafter).from_pretrained(drafter_dir, self.target)
+            weights = {k: v.to(self.device, torch.float32) for k, v in loaded.state_dict().items()}
+            self.drafter.load_state_dict(weights)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            step = int(state["step"])
-        except CheckpointError:
-            raise
-        except Exception as err:  # a corrupt file may fail in torch, safetensors or pickle
+            self.step = int(state["step"])
+        except DrafterTargetMismatch as err:
+            raise CheckpointError(f"checkpoint {path} was trained for another target: {err}") from None
+        except Exception as err:  # safetensors, shapes, optimizer state
             raise CheckpointError(f"checkpoint {path} is corrupt: {type(err).__name__}: {err}") from None
-        self.drafter.load_state_dict(loaded.state_dict())
-        self.step = step
+        self._truncate_metrics(self.step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """After a resume, drop metrics of steps that will be run again."""
+        if self.rank != 0 or not self.metrics_path.is_file():
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            _write_atomic(self.metrics_path, "".join(line + "\n" for line in kept))
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self, resume: bool | str | Path = False) -> TrainResult:
