@@ -40,7 +40,7 @@ setup(
     packages=packages,
     package_dir={"vllm_moa.kernels": "kernels"},
     # the demo target + drafters (fp16, < 20 MB), built by vllm_moa/recipes/stdlib_demo.py
-    package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*/*"]},
+    package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*.md", "assets/demo/*/*"]},
     install_requires=CORE_REQUIRES,
     extras_require=EXTRAS,
     entry_points={

@@ -22,17 +22,16 @@ def demo(
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
     num_draft: int = typer.Option(4, help="Draft chain length K per target forward."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out stdlib file)."),
-    drafter: str = typer.Option("moa-tli0", help="Shipped drafter: moa-tli0 | moa-tli1."),
-    cache_dir: Optional[Path] = typer.Option(None, help="Where models built on the fly are cached (default ~/.cache/vllm-moa)."),
+    drafter: str = typer.Option("moa-tli0", help="Shipped MoA drafter: moa-tli0 | moa-tli1."),
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
 ) -> None:
     """Generate from the demo target with MoA speculative decoding on CPU; print the text, the
-    acceptance length and the speedup over plain decoding (models are built on first use)."""
+    acceptance length and the speedup over plain decoding."""
     from vllm_moa.demo import run_demo
 
     try:
-        result = run_demo(cache_dir, max_new_tokens=max_new_tokens, num_draft=num_draft, prompt=prompt, drafter=drafter)
-    except ValueError as err:
+        result = run_demo(max_new_tokens=max_new_tokens, num_draft=num_draft, prompt=prompt, drafter=drafter)
+    except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     if json_output:
         typer.echo(json.dumps(result, indent=2))

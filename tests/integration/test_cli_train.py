@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vllm_moa.demo import stdlib_files, train_tokenizer
+from vllm_moa.recipes.stdlib_demo import stdlib_files, train_tokenizer
 from vllm_moa.training.trainer import TrainConfig
 
 

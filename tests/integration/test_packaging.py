@@ -19,6 +19,9 @@ def test_wheel_layout_and_requirements(tmp_path):
     assert "vllm_moa/models/moa.py" in names
     if (ROOT / "kernels" / "__init__.py").exists():
         assert "vllm_moa/kernels/__init__.py" in names
+    for shipped in (ROOT / "vllm_moa" / "assets" / "demo").rglob("*"):
+        if shipped.is_file():
+            assert shipped.relative_to(ROOT).as_posix() in names, shipped
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     core = [r for r in requires if "extra ==" not in r]

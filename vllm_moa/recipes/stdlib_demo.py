@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import random
 import shutil
 import sysconfig
@@ -224,7 +225,8 @@ def run(work: Path, recipe: StdlibRecipe, progress: bool = True, only: list[str]
             "bytes_per_token": round(held_bytes / len(held_stream), 3),
             "parameters": sum(p.numel() for p in model.parameters()),
             "wall_time_s": round(time.time() - started, 1), "log": log,
-            "device": "cpu", "torch_threads": torch.get_num_threads(),
+            "device": "cpu", "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__,
         }
         report_path.write_text(json.dumps(report, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -307,7 +309,42 @@ def ship(work: Path, destination: Path) -> int:
         if start >= 0 and len(text) > start + 400:
             prompts.append({"file": file.name, "text": text[start + 1 : start + 400]})
     (destination / "heldout_prompts.json").write_text(json.dumps(prompts[:16], indent=1))
+    (destination / "README.md").write_text(model_card(report))
     return sum(f.stat().st_size for f in destination.rglob("*") if f.is_file())
+
+
+def model_card(report: dict) -> str:
+    """A human-readable card from report.json."""
+    r, t = report["recipe"], report["target"]
+    lines = [
+        "# vllm-moa demo models (built by vllm_moa/recipes/stdlib_demo.py)",
+        "",
+        f"Target `target/`: Llama, {r['num_layers']} layers, hidden {r['hidden_size']}, {r['num_heads']} heads "
+        f"({r['num_kv_heads']} KV heads), MLP {r['intermediate_size']}, tied embeddings, own byte-level BPE "
+        f"(vocab {r['vocab_size']}); {t['parameters']:,} parameters, stored fp16.",
+        f"Corpus: the standard library (Lib/*.py, tests excluded) of Python {t.get('python', '3.11')}: "
+        f"{t['files_train']} training files ({t['train_tokens']:,} tokens), {t['files_heldout']} held-out files "
+        f"({t['heldout_tokens']:,} tokens).",
+        f"Training: {r['target_steps']} steps x {r['target_batch']} x {r['seq_len']} tokens = {t['tokens_seen']:,} "
+        f"tokens seen, AdamW one-cycle lr {r['target_lr']}, {t['wall_time_s'] / 60:.0f} min on {t['device']} "
+        f"({t['torch_threads']} threads), seed {r['seed']}.",
+        f"Held-out validation loss: {t['val_loss_nats_per_token']} nats/token "
+        f"({t['val_bits_per_byte']} bits/byte, {t['bytes_per_token']} bytes/token).",
+        "",
+        "Drafters, trained on the target's own continuations of stdlib prompts "
+        f"({r['num_prompts']} prompts x greedy and T={r['sample_temperature']}, {r['response_tokens']} tokens each), "
+        f"same data and budget ({r['drafter_steps']} steps x {r['drafter_batch']} sequences):",
+        "",
+        "| drafter | parameters | top-1 agreement with the target at depth 1..%d (held-out) | train time |" % r["eval_depth"],
+        "|---|---|---|---|",
+    ]
+    for name, d in report["drafters"].items():
+        agreement = " / ".join(f"{a:.3f}" for a in d["heldout_agreement_by_depth"][1:])
+        lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.1f} min |")
+    lines += ["", "Greedy continuations of held-out code:", ""]
+    for sample in t.get("samples", [])[:2]:
+        lines += ["```python", sample["prompt"] + sample["greedy_continuation"], "```", ""]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
