@@ -54,7 +54,7 @@ class StdlibRecipe:
     prompt_tokens: int = 64
     response_tokens: int = 96
     sample_temperature: float = 0.7
-    drafter_steps: int = 1500
+    drafter_steps: int = 900
     drafter_batch: int = 16
     drafter_lr: float = 2e-3
     eval_depth: int = 6
