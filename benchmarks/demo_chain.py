@@ -1,4 +1,5 @@
-"""Greedy chain speculative decoding with the shipped demo models on this machine's CPU:
+"""Greedy chain speculative decoding with the shipped demo models on this machine's CPU, for
+every drafter (MoA TLI 0/1, EAGLE-style, independent LM, n-gram lookup):
 acceptance length and wall-clock speedup over plain decoding, per held-out prompt.
 
     python benchmarks/demo_chain.py [--num-draft 2 4] [--max-new-tokens 96]
@@ -19,9 +20,11 @@ import torch
 from transformers import AutoTokenizer
 
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
-from vllm_moa.demo import MOA_DRAFTERS, demo_models
-from vllm_moa.models import MoADrafter
+from vllm_moa.demo import SHIPPED, demo_models
+from vllm_moa.models import load_drafter
 from vllm_moa.target import TargetModel
+
+DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +41,8 @@ def main() -> None:
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     plain_greedy_generate(target, prompt_ids[0], 16)  # warm-up
     rows = []
-    for name in MOA_DRAFTERS:
-        drafter = MoADrafter.from_pretrained(demo_models(name)[1], target).eval()
+    for name in DRAFTERS:
+        drafter = "ngram" if name == "ngram" else load_drafter(SHIPPED / name, target).eval()
         for k in args.num_draft:
             for i, ids in enumerate(prompt_ids):
                 plain = plain_greedy_generate(target, ids, args.max_new_tokens)
@@ -49,7 +52,7 @@ def main() -> None:
                              "speedup": plain.seconds / spec.seconds, "drafter_share": spec.drafter_seconds / spec.seconds,
                              "plain_tok_s": plain.tokens_per_second, "spec_tok_s": spec.tokens_per_second})
     summary = {}
-    for name in MOA_DRAFTERS:
+    for name in DRAFTERS:
         for k in args.num_draft:
             sel = [r for r in rows if r["drafter"] == name and r["num_draft"] == k]
             summary[f"{name}/K={k}"] = {

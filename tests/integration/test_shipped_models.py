@@ -39,7 +39,7 @@ def test_shipped_drafters_load_and_refuse_other_targets(target, name):
         load_drafter(SHIPPED / name, make_target("llama"))
 
 
-@pytest.mark.parametrize("name", ["moa-tli0", "moa-tli1"])
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_exactness_on_shipped_models(target, name):
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
     drafter = load_drafter(SHIPPED / name, target).eval()

@@ -1,13 +1,13 @@
-"""The simplest correct speculative loop: MoA drafts a chain of K tokens, the target verifies them
-in one forward, greedy acceptance. Batch 1. At temperature 0 its output equals the target's own
+"""The simplest correct speculative loop: a drafter (decoding/drafters.py) proposes a chain of K
+tokens, the target verifies them in one forward, greedy acceptance. Batch 1. At temperature 0 its output equals the target's own
 greedy decoding token for token (tests/unit/test_chain_decoding.py).
 
 Round r, with the target's cache holding positions 0..base-1 and `pending` the target's last
 (bonus) token at position `base`:
-    drafts d_1..d_K   <- MoA drafter, starting from `pending` (its caches: CA rows 0..base-1)
+    drafts d_1..d_K   <- the drafter, starting from `pending` (its state covers 0..base-1)
     target forward over [pending, d_1..d_K] at positions base..base+K -> greedy g_0..g_K
     n = longest prefix with d_i == g_{i-1}; new tokens d_1..d_n, bonus g_n
-    target cache cropped to base+n+1; drafter: rows for positions base..base+n, SA rolled back.
+    target cache cropped to base+n+1; the drafter's state rolled forward to the same prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_moa.models.moa import MoADrafter
+from vllm_moa.decoding.drafters import open_session
+from vllm_moa.models import Drafter
 from vllm_moa.target import TargetKVCache, TargetModel
 
 
@@ -78,20 +79,20 @@ def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_to
 
 
 @torch.no_grad()
-def speculative_greedy_generate(target: TargetModel, drafter: MoADrafter, prompt_ids: list[int],
+def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
                                 max_new_tokens: int, num_draft: int = 4,
                                 eos_token_id: int | None = None) -> GenerationResult:
-    """Greedy chain speculative decoding with the MoA drafter (batch 1)."""
+    """Greedy chain speculative decoding (batch 1) with any drafter: MoA, EAGLE-style,
+    independent, or "ngram" (prompt lookup)."""
     _check_request(prompt_ids, max_new_tokens, num_draft)
     device = target.device
     started = time.perf_counter()
     cache = TargetKVCache()
     prompt = torch.tensor([prompt_ids], device=device)
     prefill = target(prompt, cache)
-    state = drafter.new_state()
+    session = open_session(drafter, target)
     drafter_time = time.perf_counter()
-    drafter.extend_verified(state, prefill.keys, prefill.values)
-    drafter.feed(state, prompt, target)
+    session.start(prompt, prefill)
     drafter_seconds = time.perf_counter() - drafter_time
     pending = prefill.logits[0, -1].argmax().view(1, 1)
     tokens = [int(pending)]
@@ -99,27 +100,20 @@ def speculative_greedy_generate(target: TargetModel, drafter: MoADrafter, prompt
     while len(tokens) < max_new_tokens and int(pending) != eos_token_id:
         base = cache.length
         t0 = time.perf_counter()
-        drafts, token = [], pending
-        for _ in range(num_draft):
-            token = drafter.draft_step(state, token, target)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-            drafts.append(token)
+        drafts = session.propose(pending, num_draft)  # [1, K]
         drafter_seconds += time.perf_counter() - t0
-        verify = target(torch.cat([pending, *drafts], dim=1), cache)  # [1, K+1]
+        verified = torch.cat([pending, drafts], dim=1)  # [1, K+1] at positions base..base+K
+        verify = target(verified, cache)
         greedy = verify.logits[0].argmax(-1)
         accepted = 0
-        while accepted < num_draft and int(drafts[accepted]) == int(greedy[accepted]):
+        while accepted < num_draft and int(drafts[0, accepted]) == int(greedy[accepted]):
             accepted += 1
         bonus = greedy[accepted].view(1, 1)
-        keep = base + accepted + 1  # pending + accepted drafts
-        cache.crop(keep)
+        cache.crop(base + accepted + 1)  # pending + accepted drafts
         t0 = time.perf_counter()
-        drafter.rollback(state, keep)
-        drafter.extend_verified(state, [k[:, :, : accepted + 1] for k in verify.keys],
-                                [v[:, :, : accepted + 1] for v in verify.values])
-        if state.sa_length < keep:  # every draft accepted: the last one was never fed
-            drafter.feed(state, drafts[-1], target)
+        session.accept(accepted, verified, verify)
         drafter_seconds += time.perf_counter() - t0
-        tokens.extend(int(d) for d in drafts[:accepted])
+        tokens.extend(drafts[0, :accepted].tolist())
         tokens.append(int(bonus))
         result.target_forwards += 1
         result.accepted_per_forward.append(accepted + 1)
