@@ -23,7 +23,7 @@ CORE_REQUIRES = [
 EXTRAS = {
     "vllm": ["vllm>=0.20"],
     "ray": ["ray[train]>=2.40"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7"],
 }
 
 packages = find_packages(include=["vllm_moa", "vllm_moa.*"])

@@ -49,7 +49,7 @@ def test_eagle_session_matches_its_training_forward_with_exact_rollout():
         session = EagleSession(drafter, target)
         prefill = target(ids[:, :10])
         session.start(ids[:, :10], prefill)
-        drafts = session.propose(ids[:, 10:11], 4)
+        drafts = session.propose(ids[:, 10:11], 4).tokens
         # a sequence whose tokens after position 10 are the drafts, anchored at 9 (last verified)
         seq = torch.cat([ids[:, :11], drafts[:, :3]], dim=1)
         s = last_anchor((torch.arange(seq.shape[1]) < 10)[None])
@@ -61,7 +61,7 @@ def test_eagle_session_matches_its_training_forward_with_exact_rollout():
 def test_ngram_proposes_what_followed_the_last_match():
     session = NgramSession(max_ngram=3)
     session.history = [5, 6, 7, 8, 9, 5, 6]
-    assert session.propose(torch.tensor([[7]]), 3).tolist() == [[8, 9, 5]]
-    assert session.propose(torch.tensor([[42]]), 2).tolist() == [[42, 42]]  # no match: padding
+    assert session.propose(torch.tensor([[7]]), 3).tokens.tolist() == [[8, 9, 5]]
+    assert session.propose(torch.tensor([[42]]), 2).tokens.tolist() == [[42, 42]]  # no match: padding
     with pytest.raises(ValueError, match="min_ngram"):
         NgramSession(max_ngram=1, min_ngram=2)

@@ -1,5 +1,6 @@
 """The simplest correct speculative loop: a drafter (decoding/drafters.py) proposes a chain of K
-tokens, the target verifies them in one forward, greedy acceptance. Batch 1. At temperature 0 its output equals the target's own
+tokens, the target verifies them in one forward; greedy acceptance or lossless rejection
+sampling. Batch 1. At temperature 0 its output equals the target's own
 greedy decoding token for token (tests/unit/test_chain_decoding.py).
 
 Round r, with the target's cache holding positions 0..base-1 and `pending` the target's last
@@ -17,7 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch import Tensor
+
 from vllm_moa.decoding.drafters import open_session
+from vllm_moa.decoding.sampling import SamplingParams, rejection_sample, sample
 from vllm_moa.models import Drafter
 from vllm_moa.target import TargetKVCache, TargetModel
 
@@ -57,35 +61,46 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) ->
 
 
 @torch.no_grad()
-def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
-                          eos_token_id: int | None = None) -> GenerationResult:
+def plain_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
+                   sampling: SamplingParams | None = None, seed: int | None = None,
+                   eos_token_id: int | None = None) -> GenerationResult:
     """The baseline: one target forward per token, same functional target and cache."""
     _check_request(prompt_ids, max_new_tokens)
+    generator = _generator(seed, target.device)
     started = time.perf_counter()
     cache = TargetKVCache()
     logits = target(torch.tensor([prompt_ids], device=target.device), cache).logits
     tokens: list[int] = []
     result = GenerationResult(tokens)
     while True:
-        token = int(logits[0, -1].argmax())
-        tokens.append(token)
-        if len(tokens) >= max_new_tokens or token == eos_token_id:
+        token = _pick(logits[:, -1], sampling, generator)
+        tokens.append(int(token))
+        if len(tokens) >= max_new_tokens or int(token) == eos_token_id:
             break
-        logits = target(torch.tensor([[token]], device=target.device), cache).logits
+        logits = target(token, cache).logits
         result.target_forwards += 1
         result.accepted_per_forward.append(1)
     result.seconds = time.perf_counter() - started
     return result
 
 
+def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: int,
+                          eos_token_id: int | None = None) -> GenerationResult:
+    return plain_generate(target, prompt_ids, max_new_tokens, None, None, eos_token_id)
+
+
 @torch.no_grad()
-def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
-                                max_new_tokens: int, num_draft: int = 4,
-                                eos_token_id: int | None = None) -> GenerationResult:
-    """Greedy chain speculative decoding (batch 1) with any drafter: MoA, EAGLE-style,
-    independent, or "ngram" (prompt lookup)."""
+def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
+                         max_new_tokens: int, num_draft: int = 4, sampling: SamplingParams | None = None,
+                         seed: int | None = None, eos_token_id: int | None = None) -> GenerationResult:
+    """Chain speculative decoding (batch 1) with any drafter: MoA, EAGLE-style, independent, or
+    "ngram" (prompt lookup). Greedy (sampling None or temperature 0): output equals the target's
+    greedy decoding. Otherwise lossless rejection sampling (decoding/sampling.py); `seed` makes
+    a run reproducible."""
     _check_request(prompt_ids, max_new_tokens, num_draft)
+    greedy = sampling is None or sampling.greedy
     device = target.device
+    generator = _generator(seed, device)
     started = time.perf_counter()
     cache = TargetKVCache()
     prompt = torch.tensor([prompt_ids], device=device)
@@ -94,21 +109,25 @@ def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, pro
     drafter_time = time.perf_counter()
     session.start(prompt, prefill)
     drafter_seconds = time.perf_counter() - drafter_time
-    pending = prefill.logits[0, -1].argmax().view(1, 1)
+    pending = _pick(prefill.logits[:, -1], sampling, generator)  # [1, 1]
     tokens = [int(pending)]
     result = GenerationResult(tokens)
     while len(tokens) < max_new_tokens and int(pending) != eos_token_id:
         base = cache.length
         t0 = time.perf_counter()
-        drafts = session.propose(pending, num_draft)  # [1, K]
+        proposal = session.propose(pending, num_draft, sampling, generator)
+        drafts = proposal.tokens  # [1, K]
         drafter_seconds += time.perf_counter() - t0
         verified = torch.cat([pending, drafts], dim=1)  # [1, K+1] at positions base..base+K
         verify = target(verified, cache)
-        greedy = verify.logits[0].argmax(-1)
-        accepted = 0
-        while accepted < num_draft and int(drafts[0, accepted]) == int(greedy[accepted]):
-            accepted += 1
-        bonus = greedy[accepted].view(1, 1)
+        if greedy:
+            choice = verify.logits[0].argmax(-1)
+            accepted = 0
+            while accepted < num_draft and int(drafts[0, accepted]) == int(choice[accepted]):
+                accepted += 1
+            bonus = choice[accepted].view(1, 1)
+        else:
+            accepted, bonus = rejection_sample(drafts[0], proposal.probs[0], sampling.probs(verify.logits[0]), generator)
         cache.crop(base + accepted + 1)  # pending + accepted drafts
         t0 = time.perf_counter()
         session.accept(accepted, verified, verify)
@@ -124,3 +143,20 @@ def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, pro
     result.seconds = time.perf_counter() - started
     result.drafter_seconds = drafter_seconds
     return result
+
+
+def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
+                                max_new_tokens: int, num_draft: int = 4,
+                                eos_token_id: int | None = None) -> GenerationResult:
+    return speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft, None, None, eos_token_id)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+
+def _pick(logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None) -> Tensor:
+    """logits [1, V] -> token [1, 1]: greedy, or sampled from the warped distribution."""
+    if sampling is None or sampling.greedy:
+        return logits.argmax(-1, keepdim=True)
+    return sample(sampling.probs(logits), generator)
