@@ -1,4 +1,4 @@
-"""`vllm-moa` command line: demo (the embedded default), train."""
+"""`vllm-moa` command line: demo (the embedded default), generate, train."""
 
 from __future__ import annotations
 
@@ -47,6 +47,65 @@ def demo(
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
     typer.echo(f"plain decoding tokens/s : {result['plain_tokens_per_s']:.1f}")
     typer.echo(f"speedup over plain      : {result['speedup']:.2f}x (drafter share of time {result['drafter_time_share']:.0%})")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., help="Prompt text."),
+    target: Optional[Path] = typer.Option(None, help="Target directory (default: the shipped demo target)."),
+    drafter: str = typer.Option("moa-tli0", help="Drafter directory, a shipped demo drafter (moa-tli0, moa-tli1, eagle, independent) or 'ngram'."),
+    max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
+    num_draft: int = typer.Option(4, help="Draft chain length K per target forward."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding)."),
+    top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Top-p warping (1 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    stream: bool = typer.Option(True, help="Print tokens as soon as the target has verified them."),
+) -> None:
+    """Generate with speculative decoding (chain, batch 1) on this machine, streaming the text and
+    reporting the acceptance length."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
+    from vllm_moa.decoding.chain import speculative_generate
+    from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.demo import SHIPPED
+    from vllm_moa.models import load_drafter
+    from vllm_moa.target import TargetModel, UnsupportedTargetError
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        target_dir = target or SHIPPED / "target"
+        target_model = TargetModel.from_pretrained(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        if drafter == "ngram":
+            draft_model = "ngram"
+        else:
+            drafter_dir = Path(drafter) if Path(drafter).is_dir() else SHIPPED / drafter
+            draft_model = load_drafter(drafter_dir, target_model).eval()
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        shown: list[int] = []
+        printed = 0
+
+        def show(new_tokens: list[int]) -> None:
+            nonlocal printed
+            shown.extend(new_tokens)
+            text = tokenizer.decode(shown)
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+
+        result = speculative_generate(target_model, draft_model, prompt_ids, max_new_tokens, num_draft, sampling,
+                                      seed, tokenizer.eos_token_id, on_tokens=show if stream else None)
+    except (ValueError, FileNotFoundError, DrafterConfigError, DrafterTargetMismatch, UnsupportedTargetError) as err:
+        _fail(str(err))
+    if not stream:
+        typer.echo(tokenizer.decode(result.token_ids))
+    typer.echo(f"\n[{len(result.token_ids)} tokens, acceptance length {result.acceptance_length:.2f}, "
+               f"{result.tokens_per_second:.1f} tokens/s, drafter share {result.drafter_seconds / result.seconds:.0%}]",
+               err=True)
 
 
 @app.command()

@@ -59,3 +59,15 @@ def test_readme_main_job_runs():
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["new_tokens"] == 48 and result["acceptance_length"] > 1.0 and result["speedup"] > 0
+
+
+def test_generate_cli_streams_and_refuses_bad_input():
+    base = [sys.executable, "-m", "vllm_moa.cli", "generate", "--prompt", "def f(x):", "--max-new-tokens", "24"]
+    run = subprocess.run(base + ["--drafter", "eagle"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() and "acceptance length" in run.stderr
+    sampled = subprocess.run(base + ["--temperature", "0.8", "--seed", "3", "--drafter", "ngram"],
+                             capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    bad = subprocess.run(base + ["--top-k", "-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "top_k" in bad.stderr and "Traceback" not in bad.stderr

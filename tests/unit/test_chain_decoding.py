@@ -46,3 +46,19 @@ def test_bad_requests_are_refused(kwargs, match):
     drafter = MoADrafter(MoAConfig(target=target.signature))
     with pytest.raises(ValueError, match=match):
         speculative_greedy_generate(target, drafter, **kwargs)
+
+
+def test_streaming_adds_up_to_the_result_and_stops_at_eos():
+    target = make_target("llama")
+    drafter = MoADrafter(MoAConfig(target=target.signature)).eval()
+    plain = plain_greedy_generate(target, [4, 5, 6], 30)
+    eos = plain.token_ids[7]  # a token the target will emit: generation must stop right after it
+    chunks = []
+    from vllm_moa.decoding.chain import speculative_generate
+
+    out = speculative_generate(target, drafter, [4, 5, 6], 30, num_draft=4, eos_token_id=eos, on_tokens=chunks.append)
+    assert [t for chunk in chunks for t in chunk] == out.token_ids
+    assert out.token_ids == plain_greedy_generate(target, [4, 5, 6], 30, eos_token_id=eos).token_ids
+    assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+    positions = out.acceptance_by_position(4)
+    assert len(positions) == 4 and all(0 <= p <= 1 for p in positions)

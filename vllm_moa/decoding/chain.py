@@ -14,6 +14,7 @@ Round r, with the target's cache holding positions 0..base-1 and `pending` the t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,11 @@ class GenerationResult:
     def acceptance_length(self) -> float:
         """Tokens gained per target forward: accepted draft tokens + 1 (the bonus)."""
         return sum(self.accepted_per_forward) / max(1, len(self.accepted_per_forward))
+
+    def acceptance_by_position(self, num_draft: int) -> list[float]:
+        """Share of rounds whose i-th draft token was accepted, i = 1..num_draft."""
+        rounds = max(1, len(self.accepted_per_forward))
+        return [sum(1 for a in self.accepted_per_forward if a - 1 >= i) / rounds for i in range(1, num_draft + 1)]
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,11 +98,13 @@ def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_to
 @torch.no_grad()
 def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
                          max_new_tokens: int, num_draft: int = 4, sampling: SamplingParams | None = None,
-                         seed: int | None = None, eos_token_id: int | None = None) -> GenerationResult:
+                         seed: int | None = None, eos_token_id: int | None = None,
+                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Chain speculative decoding (batch 1) with any drafter: MoA, EAGLE-style, independent, or
     "ngram" (prompt lookup). Greedy (sampling None or temperature 0): output equals the target's
     greedy decoding. Otherwise lossless rejection sampling (decoding/sampling.py); `seed` makes
-    a run reproducible."""
+    a run reproducible. `on_tokens` receives the new tokens of every round as soon as the target
+    has verified them (streaming); the streamed tokens add up to exactly the returned token_ids."""
     _check_request(prompt_ids, max_new_tokens, num_draft)
     greedy = sampling is None or sampling.greedy
     device = target.device
@@ -111,6 +119,7 @@ def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids
     drafter_seconds = time.perf_counter() - drafter_time
     pending = _pick(prefill.logits[:, -1], sampling, generator)  # [1, 1]
     tokens = [int(pending)]
+    emitted = _stream(on_tokens, tokens, 0, max_new_tokens, eos_token_id)
     result = GenerationResult(tokens)
     while len(tokens) < max_new_tokens and int(pending) != eos_token_id:
         base = cache.length
@@ -132,8 +141,8 @@ def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids
         t0 = time.perf_counter()
         session.accept(accepted, verified, verify)
         drafter_seconds += time.perf_counter() - t0
-        tokens.extend(drafts[0, :accepted].tolist())
-        tokens.append(int(bonus))
+        tokens.extend(drafts[0, :accepted].tolist() + [int(bonus)])
+        emitted = _stream(on_tokens, tokens, emitted, max_new_tokens, eos_token_id)
         result.target_forwards += 1
         result.accepted_per_forward.append(accepted + 1)
         pending = bonus
@@ -149,6 +158,15 @@ def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, pro
                                 max_new_tokens: int, num_draft: int = 4,
                                 eos_token_id: int | None = None) -> GenerationResult:
     return speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft, None, None, eos_token_id)
+
+
+def _stream(on_tokens: Callable[[list[int]], None] | None, tokens: list[int], emitted: int,
+            max_new_tokens: int, eos_token_id: int | None) -> int:
+    """Hand the caller the tokens verified since the last call (cut at max_new_tokens / EOS)."""
+    visible = _finish(tokens, max_new_tokens, eos_token_id)
+    if on_tokens is not None and len(visible) > emitted:
+        on_tokens(visible[emitted:])
+    return len(visible)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
