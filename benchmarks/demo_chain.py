@@ -68,7 +68,31 @@ def main() -> None:
                              "python": platform.python_version(), "torch": torch.__version__}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    plot(summary, args.num_draft, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=2))
+
+
+def plot(summary: dict, num_draft: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(num_draft)
+    for j, k in enumerate(num_draft):
+        xs = [i + j * width for i in range(len(DRAFTERS))]
+        axes[0].bar(xs, [summary[f"{d}/K={k}"]["mean_acceptance_length"] for d in DRAFTERS], width, label=f"K={k}")
+        axes[1].bar(xs, [summary[f"{d}/K={k}"]["median_speedup"] for d in DRAFTERS], width, label=f"K={k}")
+    for ax, title in zip(axes, ("mean acceptance length", "median speedup over plain decoding")):
+        ax.set_xticks([i + width * (len(num_draft) - 1) / 2 for i in range(len(DRAFTERS))], DRAFTERS, rotation=15)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    axes[1].axhline(1.0, color="black", linewidth=0.8)
+    fig.suptitle("Greedy chain decoding, shipped demo models, CPU, batch 1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
