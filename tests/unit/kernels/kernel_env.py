@@ -2,16 +2,14 @@
 
     from kernel_env import device, no_kernel_env_override  # noqa: F401  (fixtures)
 
-* TRITON_INTERPRET=1 is set when CUDA is absent (Triton under its CPU interpreter). Triton may
-  already have been imported by then (tests/conftest.py imports transformers, which imports it
-  through torch._dynamo); `vllm_moa.kernels` copes with that (kernels/_backend.py,
-  load_triton_module).
+* TRITON_INTERPRET=1 is set when CUDA is absent (Triton under its CPU interpreter). It must be
+  set before Triton is first imported; tests/conftest.py already does so first thing on machines
+  without an NVIDIA device (transformers imports Triton through torch._dynamo).
 * In a source checkout that was not `pip install`ed, `vllm_moa.kernels` (the top-level
   `kernels/` folder, mapped by setup.py's package_dir) is registered from the folder.
 
 This is deliberately not a conftest.py: conftest files outside packages are all imported under
-the module name "conftest", and a second one would shadow tests/conftest.py for the test modules
-that do `from conftest import ...`.
+the module name "conftest", and a second one would shadow tests/conftest.py.
 """
 
 from __future__ import annotations
