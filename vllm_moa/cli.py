@@ -159,7 +159,7 @@ def train(
     from vllm_moa.target import TargetModel, UnsupportedTargetError
     from vllm_moa.training.data import DatasetError
     from vllm_moa.training.sources import DataSpec, build_examples
-    from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer
+    from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer, resolve_device
 
     try:
         options = json.loads(drafter_config)
@@ -189,8 +189,7 @@ def train(
             summary = train_with_ray(config, target, train_examples, eval_examples, ray_workers, ray_gpu,
                                      resume=resume_arg)
         else:
-            model = TargetModel.from_pretrained(target, device="cuda" if device == "auto" and _has_cuda() else
-                                                ("cpu" if device == "auto" else device))
+            model = TargetModel.from_pretrained(target, device=resolve_device(device))
             Trainer(config, model, train_examples, eval_examples).train(resume=resume_arg)
             summary = json.loads((output_dir / "summary.json").read_text())
     except ValidationError as err:
@@ -201,12 +200,6 @@ def train(
         _fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"drafter written to {output_dir / 'drafter'}")
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def main() -> None:  # pragma: no cover

@@ -160,14 +160,19 @@ class DrafterConfigBase(PretrainedConfig):
 
     @classmethod
     def read(cls, directory: str | Path) -> "DrafterConfigBase":
-        path = Path(directory) / CONFIG_NAME
-        if not path.is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {directory}")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
+        path, data = _read_config_json(directory)
         return cls.validated_from_dict(data, source=str(path))
+
+
+def _read_config_json(directory: str | Path) -> tuple[Path, Any]:
+    """(path, parsed JSON) of a drafter directory's config.json, with clear errors."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {directory}")
+    try:
+        return path, json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
 
 
 def _positive(config: PretrainedConfig, source: str, *keys: str) -> None:
@@ -355,13 +360,7 @@ DRAFTER_CONFIGS: dict[str, type[DrafterConfigBase]] = {
 
 def read_drafter_config(directory: str | Path) -> DrafterConfigBase:
     """Read and validate any drafter's config.json, dispatching on its `model_type`."""
-    path = Path(directory) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {directory}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
+    path, data = _read_config_json(directory)
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type not in DRAFTER_CONFIGS:
         raise DrafterConfigError(

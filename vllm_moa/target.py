@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from vllm_moa.config import TargetSignature
-from vllm_moa.layers import apply_rotary, attend, causal_mask_after
+from vllm_moa.layers import KVCache, apply_rotary, attend, causal_mask_after
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -33,29 +33,33 @@ class UnsupportedTargetError(ValueError):
 
 @dataclass
 class TargetKVCache:
-    """Per-layer K/V of the target, post-RoPE: keys[l], values[l] are [B, H_kv, T, d]."""
+    """Per-layer K/V of the target, post-RoPE: one `KVCache` per layer, keys[l] / values[l] are
+    [B, H_kv, T, d]."""
 
-    keys: list[Tensor] = field(default_factory=list)
-    values: list[Tensor] = field(default_factory=list)
+    layers: list[KVCache] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[Tensor]:
+        return [layer.k for layer in self.layers]
+
+    @property
+    def values(self) -> list[Tensor]:
+        return [layer.v for layer in self.layers]
 
     @property
     def length(self) -> int:
-        return 0 if not self.keys else self.keys[0].shape[2]
+        return self.layers[0].length if self.layers else 0
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append this step's K/V of one layer; return the layer's whole K/V."""
-        if len(self.keys) <= layer:
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
+        if len(self.layers) <= layer:
+            self.layers.append(KVCache())
+        return self.layers[layer].append(k, v)
 
     def crop(self, length: int) -> None:
         """Drop everything from token position `length` on (rejected draft tokens)."""
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        for layer in self.layers:
+            layer.crop(length)
 
 
 @dataclass

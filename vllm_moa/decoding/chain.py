@@ -141,12 +141,13 @@ def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids
         t0 = time.perf_counter()
         session.accept(accepted, verified, verify)
         drafter_seconds += time.perf_counter() - t0
-        tokens.extend(drafts[0, :accepted].tolist() + [int(bonus)])
+        new_tokens = drafts[0, :accepted].tolist() + [int(bonus)]
+        tokens.extend(new_tokens)
         emitted = _stream(on_tokens, tokens, emitted, max_new_tokens, eos_token_id)
         result.target_forwards += 1
         result.accepted_per_forward.append(accepted + 1)
         pending = bonus
-        if eos_token_id is not None and eos_token_id in tokens:
+        if eos_token_id is not None and eos_token_id in new_tokens:
             break
     result.token_ids = _finish(tokens, max_new_tokens, eos_token_id)
     result.seconds = time.perf_counter() - started
@@ -163,10 +164,12 @@ def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, pro
 def _stream(on_tokens: Callable[[list[int]], None] | None, tokens: list[int], emitted: int,
             max_new_tokens: int, eos_token_id: int | None) -> int:
     """Hand the caller the tokens verified since the last call (cut at max_new_tokens / EOS)."""
-    visible = _finish(tokens, max_new_tokens, eos_token_id)
-    if on_tokens is not None and len(visible) > emitted:
-        on_tokens(visible[emitted:])
-    return len(visible)
+    if on_tokens is None:
+        return emitted
+    visible = _finish(tokens[emitted:], max_new_tokens - emitted, eos_token_id)
+    if visible:
+        on_tokens(visible)
+    return emitted + len(visible)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:

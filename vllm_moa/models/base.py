@@ -4,6 +4,7 @@ trainable weights only, and the training-mode interface the trainer calls."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,15 +99,9 @@ def replace_directory(new: Path, final: Path) -> None:
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.replace(final, old)
         os.replace(new, final)
-        _rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(new, final)
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def count_parameters(module: nn.Module) -> int:
