@@ -1,4 +1,4 @@
-"""`vllm-moa` command line: demo (the embedded default), generate, train."""
+"""`vllm-moa` command line: demo (the embedded default), generate, train (+ serve / client)."""
 
 from __future__ import annotations
 
@@ -49,63 +49,81 @@ def demo(
     typer.echo(f"speedup over plain      : {result['speedup']:.2f}x (drafter share of time {result['drafter_time_share']:.0%})")
 
 
+def _draft_spec(num_draft: int, tree: bool, depth: int, tree_top_k: int, budget: int):
+    from vllm_moa.decoding.tree import DraftSpec
+
+    return DraftSpec.tree(depth=depth, top_k=tree_top_k, budget=budget) if tree else DraftSpec.chain(num_draft)
+
+
 @app.command()
 def generate(
-    prompt: str = typer.Option(..., help="Prompt text."),
+    prompt: list[str] = typer.Option([], help="Prompt text (repeatable: a batch)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="Prompts file: Spec-Bench .jsonl ('turns' or 'prompt') or .txt, one per line."),
+    max_prompts: Optional[int] = typer.Option(None, help="Use at most this many prompts from --prompts."),
     target: Optional[Path] = typer.Option(None, help="Target directory (default: the shipped demo target)."),
-    drafter: str = typer.Option("moa-tli0", help="Drafter directory, a shipped demo drafter (moa-tli0, moa-tli1, eagle, independent) or 'ngram'."),
-    max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
-    num_draft: int = typer.Option(4, help="Draft chain length K per target forward."),
+    drafter: str = typer.Option("moa-tli0", help="Drafter directory, a shipped demo drafter (moa-tli0, moa-tli1, eagle, independent), 'ngram', or 'none' (plain decoding)."),
+    max_new_tokens: int = typer.Option(128, help="Tokens to generate per prompt (max_tokens)."),
+    num_draft: int = typer.Option(4, help="Chain: draft length K per target forward."),
+    tree: bool = typer.Option(False, help="Draft an EAGLE-2 dynamic tree instead of a chain."),
+    depth: int = typer.Option(5, help="Tree: levels drafted per round."),
+    tree_top_k: int = typer.Option(4, help="Tree: nodes expanded per level, children per expanded node."),
+    budget: int = typer.Option(16, help="Tree: drafted nodes kept per round (the target verifies budget + 1)."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding)."),
     top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
     top_p: float = typer.Option(1.0, help="Top-p warping (1 = off)."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
-    stream: bool = typer.Option(True, help="Print tokens as soon as the target has verified them."),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable); it is not printed."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    stream: bool = typer.Option(True, help="Single prompt: print text as soon as the target has verified it."),
+    json_output: bool = typer.Option(False, "--json", help="Print results and metrics as JSON."),
 ) -> None:
-    """Generate with speculative decoding (chain, batch 1) on this machine, streaming the text and
-    reporting the acceptance length."""
+    """Generate with speculative decoding on this machine (any drafter, chain or tree, batch of
+    prompts, greedy or lossless sampling); report acceptance and speed."""
     import sys
+    import time
 
-    from transformers import AutoTokenizer
-
+    from vllm_moa.api import Speculator
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.decoding.chain import speculative_generate
-    from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.demo import SHIPPED
-    from vllm_moa.models import load_drafter
-    from vllm_moa.target import TargetModel, UnsupportedTargetError
+    from vllm_moa.decoding.engine import summarize
+    from vllm_moa.target import UnsupportedTargetError
+    from vllm_moa.training.data import read_prompts
 
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        target_dir = target or SHIPPED / "target"
-        target_model = TargetModel.from_pretrained(target_dir)
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        if drafter == "ngram":
-            draft_model = "ngram"
+        texts = list(prompt)
+        if prompts_file is not None:
+            texts += read_prompts(prompts_file)
+        texts = texts[:max_prompts] if max_prompts else texts
+        if not texts:
+            raise ValueError("give --prompt (repeatable) or --prompts FILE")
+        spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
+        speculator = Speculator.from_pretrained(target, None if drafter == "none" else drafter, spec)
+        kwargs = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      stop=stop or None, ignore_eos=ignore_eos)
+        started = time.perf_counter()
+        if stream and len(texts) == 1 and not json_output:
+            for piece in speculator.stream(texts[0], **kwargs):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            results = [speculator.last_result]
         else:
-            drafter_dir = Path(drafter) if Path(drafter).is_dir() else SHIPPED / drafter
-            draft_model = load_drafter(drafter_dir, target_model).eval()
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        shown: list[int] = []
-        printed = 0
-
-        def show(new_tokens: list[int]) -> None:
-            nonlocal printed
-            shown.extend(new_tokens)
-            text = tokenizer.decode(shown)
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-
-        result = speculative_generate(target_model, draft_model, prompt_ids, max_new_tokens, num_draft, sampling,
-                                      seed, tokenizer.eos_token_id, on_tokens=show if stream else None)
+            results = speculator.generate(texts, **kwargs)
+        wall = time.perf_counter() - started
     except (ValueError, FileNotFoundError, DrafterConfigError, DrafterTargetMismatch, UnsupportedTargetError) as err:
         _fail(str(err))
-    if not stream:
-        typer.echo(tokenizer.decode(result.token_ids))
-    typer.echo(f"\n[{len(result.token_ids)} tokens, acceptance length {result.acceptance_length:.2f}, "
-               f"{result.tokens_per_second:.1f} tokens/s, drafter share {result.drafter_seconds / result.seconds:.0%}]",
-               err=True)
+    summary = summarize(results, wall, spec.depth)
+    if json_output:
+        typer.echo(json.dumps({"drafter": drafter, "draft": spec.describe(), "summary": summary,
+                               "results": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                            "acceptance_length": r.acceptance_length, "ttft_s": r.ttft}
+                                           for r in results]}, indent=2))
+        return
+    if not (stream and len(texts) == 1):
+        for i, r in enumerate(results):
+            typer.echo(f"----- [{i}] {r.finish_reason} -----")
+            typer.echo(r.text)
+    typer.echo(f"\n[{summary['tokens']} tokens, {spec.describe()}, acceptance length {summary['acceptance_length']:.2f}, "
+               f"{summary['tokens_per_s']:.1f} tokens/s, drafter share {summary['drafter_share']:.0%}, "
+               f"TTFT {summary['mean_ttft_s'] * 1000:.0f} ms]", err=True)
 
 
 @app.command()

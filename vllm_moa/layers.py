@@ -128,6 +128,11 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
+    def select(self, index: Tensor) -> None:
+        """Keep the positions `index` [n] (in order): a draft tree compacted to its accepted path."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(2, index), self.v.index_select(2, index)
+
 
 class DecoderBlock(nn.Module):
     """A pre-norm Llama decoder block (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU)."""

@@ -10,7 +10,9 @@ from transformers import AutoTokenizer
 
 from tiny_models import make_target
 from vllm_moa.config import DrafterTargetMismatch
-from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
+from vllm_moa.decoding.chain import plain_greedy_generate
+from vllm_moa.decoding.engine import SpeculativeEngine, summarize
+from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.demo import SHIPPED
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter, load_drafter
 from vllm_moa.target import TargetModel
@@ -39,18 +41,31 @@ def test_shipped_drafters_load_and_refuse_other_targets(target, name):
         load_drafter(SHIPPED / name, make_target("llama"))
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
-def test_greedy_exactness_on_shipped_models(target, name):
+@pytest.fixture(scope="module")
+def heldout(target):
+    """20 held-out stdlib prompts (token ids, the last 64) and the target's greedy continuations."""
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
-    drafter = load_drafter(SHIPPED / name, target).eval()
-    prompts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
-    lengths = []
-    for prompt in prompts[:4]:
-        ids = tokenizer(prompt)["input_ids"]
-        spec = speculative_greedy_generate(target, drafter, ids, 40, num_draft=5)
-        assert spec.token_ids == plain_greedy_generate(target, ids, 40).token_ids
-        lengths.append(spec.acceptance_length)
-    assert sum(lengths) / len(lengths) > 1.5, lengths  # a trained drafter, not a random one
+    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:20]
+    prompts = [tokenizer(t)["input_ids"][-64:] for t in texts]
+    return prompts, [plain_greedy_generate(target, p, 32).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("shape", [DraftSpec.chain(5), DraftSpec.tree(depth=5, top_k=4, budget=16)], ids=["chain", "tree"])
+@pytest.mark.parametrize("name", sorted(DRAFTERS) + ["ngram"])
+def test_greedy_exactness_on_shipped_models(target, heldout, name, shape):
+    """Every shipped drafter, chain and tree, batch 1 and 4, 20 held-out prompts: token ids equal
+    the target's own greedy decoding."""
+    prompts, greedy = heldout
+    drafter = name if name == "ngram" else load_drafter(SHIPPED / name, target).eval()
+    engine = SpeculativeEngine(target, drafter, shape)
+    for batch in (1, 4):
+        outputs = []
+        for i in range(0, len(prompts), batch):
+            outputs += engine.generate(prompts[i : i + batch], 32)
+        assert [o.token_ids for o in outputs] == greedy, (name, shape.describe(), batch)
+    lengths = summarize(outputs, 1.0, shape.depth)["acceptance_length"]
+    if name != "ngram":
+        assert lengths > 1.5, lengths  # a trained drafter, not a random one
 
 
 def test_readme_main_job_runs():
@@ -71,3 +86,19 @@ def test_generate_cli_streams_and_refuses_bad_input():
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     bad = subprocess.run(base + ["--top-k", "-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_k" in bad.stderr and "Traceback" not in bad.stderr
+    budget = subprocess.run(base + ["--tree", "--budget", "1000"], capture_output=True, text=True, timeout=300)
+    assert budget.returncode == 2 and "tree budget 1000" in budget.stderr and "Traceback" not in budget.stderr
+
+
+def test_generate_cli_batch_tree_json():
+    """A batch of prompts with a tree: JSON results, each equal to plain greedy decoding."""
+    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "generate", "--prompt", "def f(x):", "--prompt",
+                          "import os\nimport sys\n", "--max-new-tokens", "20", "--tree", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["summary"]["requests"] == 2 and out["summary"]["tokens"] == 40
+    target = TargetModel.from_pretrained(SHIPPED / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+    for text, result in zip(["def f(x):", "import os\nimport sys\n"], out["results"]):
+        assert result["token_ids"] == plain_greedy_generate(target, tokenizer(text)["input_ids"], 20).token_ids

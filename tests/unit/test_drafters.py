@@ -7,6 +7,7 @@ from tiny_models import make_target
 from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
 from vllm_moa.decoding.drafters import NgramSession
+from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
 
 
@@ -49,7 +50,7 @@ def test_eagle_session_matches_its_training_forward_with_exact_rollout():
         session = EagleSession(drafter, target)
         prefill = target(ids[:, :10])
         session.start(ids[:, :10], prefill)
-        drafts = session.propose(ids[:, 10:11], 4).tokens
+        drafts = session.propose(int(ids[0, 10]), DraftSpec.chain(4)).tokens[None, 1:]
         # a sequence whose tokens after position 10 are the drafts, anchored at 9 (last verified)
         seq = torch.cat([ids[:, :11], drafts[:, :3]], dim=1)
         s = last_anchor((torch.arange(seq.shape[1]) < 10)[None])
@@ -61,7 +62,11 @@ def test_eagle_session_matches_its_training_forward_with_exact_rollout():
 def test_ngram_proposes_what_followed_the_last_match():
     session = NgramSession(max_ngram=3)
     session.history = [5, 6, 7, 8, 9, 5, 6]
-    assert session.propose(torch.tensor([[7]]), 3).tokens.tolist() == [[8, 9, 5]]
-    assert session.propose(torch.tensor([[42]]), 2).tokens.tolist() == [[42, 42]]  # no match: padding
+    assert session.propose(7, DraftSpec.chain(3)).tokens.tolist() == [7, 8, 9, 5]  # root, then drafts
+    assert session.propose(42, DraftSpec.chain(2)).tokens.tolist() == [42]  # no match: nothing drafted
+    session.history = [1, 2, 3, 9, 1, 2, 4, 1, 2, 5, 1]
+    tree = session.propose(2, DraftSpec.tree(depth=2, top_k=3, budget=5))
+    # three matches of "1 2" -> continuations [5, 1], [4, 1], [3, 9] merged into a trie of 5 nodes
+    assert tree.tokens.tolist() == [2, 5, 1, 4, 1, 3] and tree.parents == [-1, 0, 1, 0, 3, 0]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramSession(max_ngram=1, min_ngram=2)

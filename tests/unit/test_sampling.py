@@ -10,11 +10,15 @@ from scipy.stats import chisquare
 from tiny_models import make_target
 from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.chain import plain_generate, speculative_generate
+from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
+from vllm_moa.decoding.verify import sampled_accept
 from vllm_moa.models import MoADrafter
 
-VOCAB, NEW_TOKENS, SAMPLES = 4, 3, 6000
+VOCAB, NEW_TOKENS, SAMPLES = 4, 3, 20_000
 PROMPT = [1, 3, 0, 2]
+BATCH = 2_000  # samples drawn per engine call (one batch of identical prompts)
 
 
 def exact_distribution(target, sampling):
@@ -36,23 +40,42 @@ def chi_square_p(counts, probs):
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-@pytest.mark.parametrize("drafter_kind,sampling", [
-    ("moa", SamplingParams(temperature=1.0)),
-    ("ngram", SamplingParams(temperature=0.7, top_k=3, top_p=0.95)),
-])
-def test_speculative_sampling_matches_target_distribution(drafter_kind, sampling):
+@pytest.mark.parametrize("drafter_kind,spec,sampling", [
+    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0)),
+    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95)),
+    ("ngram", DraftSpec.tree(depth=2, top_k=2, budget=3), SamplingParams(temperature=0.7, top_k=3, top_p=0.95)),
+], ids=["moa-chain", "moa-tree", "ngram-tree"])
+def test_speculative_sampling_matches_target_distribution(drafter_kind, spec, sampling):
+    """20,000 sampled continuations (batches of identical prompts through the engine) follow the
+    exact distribution of the target's own warped sampling."""
     target = make_target("llama", vocab_size=VOCAB)
     torch.manual_seed(0)
     drafter = MoADrafter(MoAConfig(target=target.signature, tli=1)).eval() if drafter_kind == "moa" else "ngram"
     probs = exact_distribution(target, sampling)
+    engine = SpeculativeEngine(target, drafter, spec)
     counts: dict = {}
-    accepted = 0
-    for seed in range(SAMPLES):
-        out = speculative_generate(target, drafter, PROMPT, NEW_TOKENS, num_draft=2, sampling=sampling, seed=seed)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        accepted += sum(out.accepted_per_forward) - len(out.accepted_per_forward)
-    assert accepted > 0 and accepted < SAMPLES * 2  # both branches of the rejection rule ran
+    accepted = rejected = 0
+    for seed in range(SAMPLES // BATCH):
+        for out in engine.generate([PROMPT] * BATCH, NEW_TOKENS, sampling, seed=seed):
+            counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+            accepted += sum(out.accepted_per_forward) - len(out.accepted_per_forward)
+            rejected += sum(1 for a, d in zip(out.accepted_per_forward, out.drafted_per_forward) if a - 1 < d)
+    assert sum(counts.values()) == SAMPLES
+    assert accepted > 0 and rejected > 0  # both branches of the rejection rule ran
     assert chi_square_p(counts, probs) > 0.001
+
+
+def test_recursive_rejection_over_point_mass_children_is_lossless():
+    """The tree rule on its own: a root with three deterministic children; the next token follows p."""
+    p = torch.tensor([0.05, 0.4, 0.15, 0.3, 0.1])
+    tree = DraftTree(torch.tensor([0, 3, 1, 4]), [-1, 0, 0, 0], [0, 1, 1, 1], [-1, -1, -1, -1])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    target_probs = p.expand(4, 5)
+    for _ in range(SAMPLES):
+        path, nxt = sampled_accept(tree, target_probs, generator)
+        counts[tree.tokens[path[1]] if len(path) > 1 else nxt] += 1
+    assert chisquare(counts.tolist(), (p * SAMPLES).tolist()).pvalue > 0.001
 
 
 def test_seed_makes_sampling_reproducible():

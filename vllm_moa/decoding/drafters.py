@@ -1,115 +1,124 @@
 """One drafting interface over every drafter: MoA, EAGLE-style, independent LM, n-gram lookup.
 
-A `DraftSession` follows one sequence (batch 1) through speculative decoding:
+A `DraftSession` follows one sequence through speculative decoding:
 
     start(prompt, prefill)          the target has run over the prompt (positions 0..P-1)
-    propose(pending, k, sampling, generator) -> Proposal
-                                    k draft tokens following `pending` (the target's last token, at
-                                    position `base`, not yet run through the target): greedy, or
-                                    sampled from the drafter's warped distributions (returned too)
-    accept(n, tokens, verify)       the target ran over tokens = [pending, d_1..d_k] ([1, k+1]) and
-                                    kept pending + d_1..d_n; `verify` is its output there
+    propose(pending, spec, sampling, generator) -> DraftTree
+                                    a chain or an EAGLE-2 tree (decoding/tree.py) rooted at
+                                    `pending`, the target's last token at position `base`, not yet
+                                    run through the target
+    accept(tree, path, verified)    the target verified the tree and kept the nodes `path` (root
+                                    first); `verified` is its output at those nodes ([1, len(path)])
 
-Each session keeps only what its drafter needs, rolled forward to the verified prefix after
-every round; nothing verified is recomputed except where the method requires it (EAGLE
-re-feeds accepted tokens with the target's true features, as EAGLE does).
+Each session keeps only what its drafter needs. Tree nodes are fed to the drafter level by level
+with an ancestor mask; after verification its caches are compacted to the accepted path (cached
+K/V of a node depends only on its ancestors, so the kept entries equal a fresh computation) and
+only accepted nodes that were never fed are run. EAGLE re-feeds accepted tokens with the target's
+true features, as EAGLE does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from vllm_moa.decoding.sampling import SamplingParams, sample
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftSpec, DraftTree, grow_tree
 from vllm_moa.layers import KVCache, causal_mask_after
 from vllm_moa.models import Drafter, EagleDrafter, IndependentDrafter, MoADrafter
 from vllm_moa.target import TargetModel, TargetOutput
 
 
-@dataclass
-class Proposal:
-    """tokens [1, k]; probs [1, k, V] the distributions they were sampled from (None: greedy)."""
-
-    tokens: Tensor
-    probs: Tensor | None = None
-
-
 class DraftSession(Protocol):
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None: ...
 
-    def propose(self, pending: Tensor, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal: ...
+    def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree: ...
 
-    def accept(self, num_accepted: int, tokens: Tensor, verify: TargetOutput) -> None: ...
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None: ...
 
 
 class _ModelSession:
-    """Shared proposal loop: `_begin()` once per round, then `_step(token) -> logits [1, V]`."""
+    """Shared proposal loop over `_step` (one tree level; see tree.StepFn)."""
+
+    device: torch.device
 
     def _begin(self) -> None:
         pass
 
-    def _step(self, token: Tensor) -> Tensor:
+    def _step(self, tokens: Tensor, depths: list[int], parent_slots: list[int], visible: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def propose(self, pending: Tensor, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree:
         self._begin()
-        tokens, probs, token = [], [], pending
-        for _ in range(k):
-            logits = self._step(token)
-            if sampling is None or sampling.greedy:
-                token = logits.argmax(-1, keepdim=True)
-            else:
-                q = sampling.probs(logits)
-                token = sample(q, generator)
-                probs.append(q)
-            tokens.append(token)
-        return Proposal(torch.cat(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
+        return grow_tree(self._step, pending, spec, sampling, generator, self.device)
+
+
+def _fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
+    """Feed slots of the accepted nodes the drafter has already run (always a prefix of the path)."""
+    slots = []
+    for node in path:
+        if tree.feed_slots[node] < 0:
+            break
+        slots.append(tree.feed_slots[node])
+    return slots
+
+
+def _keep_index(base: int, slots: list[int], device: torch.device) -> Tensor:
+    """Cache positions to keep: the verified prefix 0..base-1, then the accepted fed nodes."""
+    return torch.cat([torch.arange(base, device=device), base + torch.tensor(slots, dtype=torch.long, device=device)])
 
 
 class MoASession(_ModelSession):
-    """CA rows of verified tokens + SA KV cache (+ TLI caches), cropped on rollback."""
+    """CA rows of verified tokens + SA KV cache (+ TLI caches), compacted to the accepted path."""
 
     def __init__(self, drafter: MoADrafter, target: TargetModel) -> None:
-        self.drafter, self.target = drafter, target
+        self.drafter, self.target, self.device = drafter, target, target.device
         self.state = drafter.new_state()
 
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
         self.drafter.extend_verified(self.state, prefill.keys, prefill.values)
         self.drafter.feed(self.state, prompt, self.target)
 
-    def _step(self, token: Tensor) -> Tensor:
-        return self.drafter.draft_step(self.state, token, self.target)[:, -1]
+    def _begin(self) -> None:
+        self.base = self.state.num_verified  # the root's position; SA holds exactly the verified tokens
 
-    def accept(self, num_accepted: int, tokens: Tensor, verify: TargetOutput) -> None:
-        keep = self.state.num_verified + num_accepted + 1  # + pending and the accepted drafts
-        self.drafter.rollback(self.state, keep)
-        self.drafter.extend_verified(self.state, [k[:, :, : num_accepted + 1] for k in verify.keys],
-                                     [v[:, :, : num_accepted + 1] for v in verify.values])
-        if self.state.sa_length < keep:  # all drafts accepted: the last one was never fed
-            self.drafter.feed(self.state, tokens[:, -1:], self.target)
+    def _step(self, tokens: Tensor, depths: list[int], parent_slots: list[int], visible: Tensor) -> Tensor:
+        positions = (self.base + torch.tensor(depths, device=self.device))[None]  # [1, n]
+        return self.drafter.draft_step(self.state, tokens[None], self.target, positions, visible)[0]
+
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
+        fed = _fed_prefix(tree, path)
+        self.state.sa.select(_keep_index(self.base, fed, self.device))
+        self.drafter.extend_verified(self.state, verified.keys, verified.values)  # also drops TLI drafts
+        if len(fed) < len(path):  # accepted nodes never run through SA (the last level's leaves)
+            self.drafter.feed(self.state, tree.tokens[path[len(fed):]][None], self.target)
 
 
 class EagleSession(_ModelSession):
     """One decoder layer's KV cache over (token, previous feature) inputs; past the last verified
-    token the drafter feeds on its own predicted features."""
+    token each node feeds on its parent's predicted feature."""
 
     def __init__(self, drafter: EagleDrafter, target: TargetModel) -> None:
-        self.drafter, self.target = drafter, target
+        self.drafter, self.target, self.device = drafter, target, target.device
         self.cache = KVCache()
         self.last_feature: Tensor | None = None  # target's final hidden at the last verified position
 
-    def _run(self, tokens: Tensor, features_in: Tensor) -> Tensor:
-        """tokens [1, n], features_in [1, n, E] at the next cache positions -> predicted features."""
+    def _run(self, tokens: Tensor, features_in: Tensor, positions: Tensor | None = None,
+             mask: Tensor | None = None) -> Tensor:
+        """tokens [1, n], features_in [1, n, E] -> predicted features [1, n, E] (default: a chain
+        at the next cache positions)."""
         b, n = tokens.shape
         start = self.cache.length
-        positions = torch.arange(start, start + n, device=tokens.device).expand(b, n)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=tokens.device).expand(b, n)
+        if mask is None:
+            mask = causal_mask_after(start, n, tokens.device)
         hidden = self.drafter.fc(torch.cat([self.target.embed(tokens), features_in], dim=-1))
-        return self.drafter.layer(hidden, positions, causal_mask_after(start, n, tokens.device), self.cache)
+        return self.drafter.layer(hidden, positions, mask, self.cache)
 
     def _feed_verified(self, tokens: Tensor, true_features: Tensor) -> None:
         """Verified tokens [1, n] with the target's features [1, n, E] at the same positions."""
@@ -123,22 +132,28 @@ class EagleSession(_ModelSession):
 
     def _begin(self) -> None:
         self.base = self.cache.length
-        self.feature = self.last_feature
+        self.features: list[Tensor] = []  # predicted feature of each fed node, by feed slot
 
-    def _step(self, token: Tensor) -> Tensor:
-        self.feature = self._run(token, self.feature)  # feature autoregression
-        return self.target.lm_head(self.feature)[:, -1]
+    def _step(self, tokens: Tensor, depths: list[int], parent_slots: list[int], visible: Tensor) -> Tensor:
+        n = tokens.shape[0]
+        features_in = torch.stack([self.last_feature[0, 0] if s < 0 else self.features[s] for s in parent_slots])
+        positions = (self.base + torch.tensor(depths, device=self.device))[None]
+        mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool, device=self.device), visible], dim=-1)[None, None]
+        out = self._run(tokens[None], features_in[None], positions, mask)[0]  # [n, E]
+        self.features.extend(out.unbind(0))
+        return self.target.lm_head(out)
 
-    def accept(self, num_accepted: int, tokens: Tensor, verify: TargetOutput) -> None:
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.cache.crop(self.base)
-        self._feed_verified(tokens[:, : num_accepted + 1], verify.hidden_states[-1][:, : num_accepted + 1])
+        self._feed_verified(tree.tokens[path][None], verified.hidden_states[-1])
 
 
 class IndependentSession(_ModelSession):
-    """A small LM with its own KV caches, cropped on rollback."""
+    """A small LM with its own KV caches, compacted to the accepted path."""
 
     def __init__(self, drafter: IndependentDrafter) -> None:
         self.drafter = drafter
+        self.device = next(drafter.parameters()).device
         self.caches = [KVCache() for _ in drafter.layers]
 
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
@@ -147,58 +162,78 @@ class IndependentSession(_ModelSession):
     def _begin(self) -> None:
         self.base = self.caches[0].length
 
-    def _step(self, token: Tensor) -> Tensor:
-        return self.drafter(token, self.caches)[:, -1]
+    def _step(self, tokens: Tensor, depths: list[int], parent_slots: list[int], visible: Tensor) -> Tensor:
+        n = tokens.shape[0]
+        positions = (self.base + torch.tensor(depths, device=self.device))[None]
+        mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool, device=self.device), visible], dim=-1)[None, None]
+        return self.drafter(tokens[None], self.caches, positions, mask)[0]
 
-    def accept(self, num_accepted: int, tokens: Tensor, verify: TargetOutput) -> None:
-        keep = self.base + num_accepted + 1
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
+        fed = _fed_prefix(tree, path)
+        keep = _keep_index(self.base, fed, self.device)
         for cache in self.caches:
-            cache.crop(keep)
-        if self.caches[0].length < keep:  # all drafts accepted: the last one was never fed
-            self.drafter(tokens[:, -1:], self.caches)
+            cache.select(keep)
+        if len(fed) < len(path):
+            self.drafter(tree.tokens[path[len(fed):]][None], self.caches)
 
 
 class NgramSession:
-    """Prompt lookup: propose what followed the longest earlier match of the recent suffix."""
+    """Prompt lookup: propose what followed earlier matches of the recent suffix (longest suffix
+    first, most recent match first). A chain takes the first match; a tree merges the continuations
+    of up to `top_k` distinct matches into a trie of at most `budget` nodes. No match: no draft."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, vocab_size: int | None = None) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram, self.vocab_size = max_ngram, min_ngram, vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
 
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
         self.history = prompt[0].tolist()
 
-    def propose(self, pending: Tensor, k: int, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
-        """Deterministic proposals: when sampling, q is a point mass on each proposed token."""
-        tokens = self.history + [int(pending)]
-        proposal: list[int] = []
+    def continuations(self, pending: int, length: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (<= `length` tokens) of history + [pending]."""
+        tokens = self.history + [pending]
+        found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier match first
+            for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start : start + n] == suffix:
-                    proposal = tokens[start + n : start + n + k]
-                    break
-            if proposal:
-                break
-        proposal = (proposal + [int(pending)] * k)[:k]  # pad: a wrong guess costs nothing extra
-        drafts = torch.tensor([proposal], device=pending.device)
-        if sampling is None or sampling.greedy:
-            return Proposal(drafts)
-        if self.vocab_size is None:
-            raise ValueError("n-gram sampling needs the vocabulary size")
-        return Proposal(drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float())
+                    follow = tokens[start + n : start + n + length]
+                    if follow and not any(f[: len(follow)] == follow for f in found):
+                        found.append(follow)
+                        if len(found) == limit:
+                            return found
+        return found
 
-    def accept(self, num_accepted: int, tokens: Tensor, verify: TargetOutput) -> None:
-        self.history += tokens[0, : num_accepted + 1].tolist()
+    def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """Deterministic proposals (point masses when sampling)."""
+        device = "cpu"
+        limit = 1 if spec.is_chain else spec.top_k
+        tokens, parents, depths = [pending], [-1], [0]
+        trie: dict[tuple[int, int], int] = {}
+        for follow in self.continuations(pending, spec.depth, limit):
+            node = 0
+            for token in follow:
+                if (node, token) not in trie:
+                    if len(tokens) - 1 >= spec.max_nodes:
+                        break
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(depths[node] + 1)
+                    trie[(node, token)] = len(tokens) - 1
+                node = trie[(node, token)]
+        return DraftTree(torch.tensor(tokens, device=device), parents, depths, [-1] * len(tokens))
+
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
+        self.history += tree.tokens[path].tolist()
 
 
 def open_session(drafter: Drafter | str, target: TargetModel) -> DraftSession:
     """A drafting session for `drafter` (a loaded drafter, or "ngram")."""
     if drafter == "ngram":
-        return NgramSession(vocab_size=target.vocab_size)
+        return NgramSession()
     if isinstance(drafter, MoADrafter):
         return MoASession(drafter, target)
     if isinstance(drafter, EagleDrafter):

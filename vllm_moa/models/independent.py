@@ -30,12 +30,16 @@ class IndependentDrafter(Drafter):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        """Causal LM over [B, T] after `caches` (if any) -> logits [B, T, V]."""
+    def forward(self, input_ids: torch.Tensor, caches: list[KVCache] | None = None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal LM over [B, T] after `caches` (if any) -> logits [B, T, V]. A draft tree passes its
+        own positions [B, T] and mask [B, 1, T, T_past + T]."""
         b, t = input_ids.shape
         past = caches[0].length if caches else 0
-        positions = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
-        mask = causal_mask_after(past, t, input_ids.device)
+        if positions is None:
+            positions = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
+        if mask is None:
+            mask = causal_mask_after(past, t, input_ids.device)
         hidden = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, positions, mask, caches[i] if caches else None)

@@ -180,9 +180,15 @@ class MoADrafter(Drafter):
         return MoADraftState()
 
     def extend_verified(self, state: MoADraftState, keys: list[Tensor], values: list[Tensor]) -> None:
-        """Append n newly verified tokens: their per-layer target K/V (L x [B, H_kv, n, d]) become
-        n Ekv2E rows; their last-N-layer K/V join the TLI cache. Drafted TLI rows are dropped."""
-        new_rows = self.rows_from_kv(keys, values)  # [B, n, E]
+        """Append n newly verified tokens from their per-layer target K/V (L x [B, H_kv, n, d])."""
+        first = len(keys) - self.tli
+        self.extend_rows(state, self.rows_from_kv(keys, values), keys[first:], values[first:])
+
+    def extend_rows(self, state: MoADraftState, new_rows: Tensor, tli_keys: list[Tensor],
+                    tli_values: list[Tensor]) -> None:
+        """Append n newly verified tokens as Ekv2E rows [B, n, E] (+ the target's K/V of its last TLI
+        layers, TLI x [B, H_kv, n, d]): all the drafter needs from the target, so a remote client
+        can be sent just this (serving/). Drafted TLI rows are dropped."""
         b, n, _ = new_rows.shape
         start = state.num_verified
         positions = torch.arange(start, start + n, device=new_rows.device).expand(b, n)
@@ -193,9 +199,10 @@ class MoADrafter(Drafter):
             state.rows = torch.cat([state.rows, new_rows], dim=1)
             state.row_k = torch.cat([state.row_k, k], dim=2)
             state.row_v = torch.cat([state.row_v, v], dim=2)
-        first = len(keys) - self.tli
+        if len(tli_keys) != self.tli or len(tli_values) != self.tli:
+            raise ValueError(f"TLI={self.tli} needs K/V of the target's last {self.tli} layers, got {len(tli_keys)}")
         for i in range(self.tli):
-            state.tli_true.append(i, keys[first + i], values[first + i])
+            state.tli_true.append(i, tli_keys[i], tli_values[i])
         state.tli_pred = TargetKVCache()
 
     def feed(self, state: MoADraftState, input_ids: Tensor, target: TargetModel) -> None:
@@ -212,34 +219,41 @@ class MoADrafter(Drafter):
         state.sa.crop(length)
         state.tli_pred.crop(max(0, length - state.num_verified))
 
-    def draft_step(self, state: MoADraftState, input_ids: Tensor, target: TargetModel) -> Tensor:
-        """Feed tokens [B, n] at the next SA positions (all past the last verified token) and
-        return next-token logits [B, n, V]."""
+    def draft_step(self, state: MoADraftState, input_ids: Tensor, target: TargetModel,
+                   positions: Tensor | None = None, visible: Tensor | None = None) -> Tensor:
+        """Feed tokens [B, n] after the last verified token and return next-token logits [B, n, V].
+
+        Default: a chain, at the next SA positions. A draft tree passes `positions` [B, n] and
+        `visible` [n, D + n]: which of the D drafted tokens already fed this round (in feeding
+        order), then these n, each new token attends (its ancestors and itself)."""
         b, n = input_ids.shape
         start, num_rows = state.sa_length, state.num_verified
         if num_rows == 0:
             raise ValueError("draft_step needs at least one verified token (call extend_verified first)")
-        if self.tli > 0 and start < num_rows:
+        if (self.tli > 0 or visible is not None) and start < num_rows:
             raise ValueError(
-                f"with TLI > 0 drafting starts after the last verified token: SA has {start} tokens, "
-                f"{num_rows} are verified"
+                f"drafting starts after the last verified token (needed with TLI > 0 or a tree): SA has "
+                f"{start} tokens, {num_rows} are verified"
             )
         device = input_ids.device
-        positions = torch.arange(start, start + n, device=device).expand(b, n)
-        hidden = self.sa(target.embed(input_ids), positions, causal_mask_after(start, n, device), state.sa)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=device).expand(b, n)
+        if visible is None:
+            sa_mask = causal_mask_after(start, n, device)
+            drafted = torch.arange(num_rows, start + n, device=device)  # TLI rows: the chain so far
+            visible = drafted[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+        else:
+            sa_mask = torch.cat([torch.ones(n, num_rows, dtype=torch.bool, device=device), visible], dim=-1)[None, None]
+        hidden = self.sa(target.embed(input_ids), positions, sa_mask, state.sa)
         row_pos = torch.arange(num_rows, device=device)
-        query_pos = torch.arange(start, start + n, device=device)
-        ca_mask = (row_pos[None, :] <= query_pos[:, None])[None, None]  # j <= min(i, R-1)
+        ca_mask = (row_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, n, R]: j <= position
         feature = self._head(self.ca(hidden, positions, state.row_k, state.row_v, ca_mask))
         if self.tli == 0:
             return target.lm_head(feature)
-        # predicted rows so far cover positions num_rows .. start-1, then these n
-        pred_pos = torch.arange(num_rows, start + n, device=device)
-        pred_mask = pred_pos[None, :] <= query_pos[:, None]
+        # the last N layers: true rows of verified tokens, then predicted rows of drafted ones
         true_mask = torch.ones(n, num_rows, dtype=torch.bool, device=device)
-        mask = torch.cat([true_mask, pred_mask], dim=-1)[None, None]
+        mask = torch.cat([true_mask, visible], dim=-1)[None, None]
         final = target.run_last_layers(
             self.tli, feature, positions, state.tli_true.keys, state.tli_true.values, mask, state.tli_pred
         )
         return target.lm_head(final)
-

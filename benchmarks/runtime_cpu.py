@@ -1,0 +1,202 @@
+"""The transformers runtime on the shipped demo models, on this machine (CPU by default): plain
+decoding against n-gram, independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of
+K in {3, 5, 7} and as an EAGLE-2 tree, greedy, batch 1.
+
+    python benchmarks/runtime_cpu.py [--prompts spec_bench/question.jsonl] [--num-prompts 16]
+                                     [--max-new-tokens 96] [--profile]
+
+Prompts: held-out stdlib files (vllm_moa/assets/demo/heldout_prompts.json), or any Spec-Bench
+jsonl given with --prompts. For each prompt, plain decoding and every configuration run back to
+back in the same process (so a noisy neighbour slows both), and every output is checked equal to
+plain greedy decoding. Reports acceptance length, per-position acceptance, tokens/s and the
+speedup over plain decoding (ratio of total times). Writes JSON with provenance and a PNG plot to
+benchmarks/results/. --profile adds a cProfile of one MoA run: where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import vllm_moa  # noqa: E402
+from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
+from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
+from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
+from vllm_moa.demo import SHIPPED  # noqa: E402
+from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.target import TargetModel  # noqa: E402
+from vllm_moa.training.data import read_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
+
+
+def shapes(chain_lengths: list[int], tree: DraftSpec) -> dict[str, DraftSpec]:
+    out = {f"chain K={k}": DraftSpec.chain(k) for k in chain_lengths}
+    out[f"tree d={tree.depth} k={tree.top_k} b={tree.budget}"] = tree
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=Path, default=None, help="Spec-Bench jsonl (default: held-out stdlib)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=192, help="keep the last N prompt tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--chains", type=int, nargs="+", default=[3, 5, 7])
+    parser.add_argument("--tree", type=int, nargs=3, default=[5, 4, 16], metavar=("DEPTH", "TOP_K", "BUDGET"))
+    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = "stdlib-heldout" if args.prompts is None else args.prompts.parent.name or args.prompts.stem
+    out = args.out or ROOT / "benchmarks" / "results" / f"runtime_cpu_{source}.json"
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+    target = TargetModel.from_pretrained(SHIPPED / "target")
+    if args.prompts is None:
+        texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
+    else:
+        texts = read_prompts(args.prompts)
+    prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts[: args.num_prompts]]
+    configs = shapes(args.chains, DraftSpec.tree(*args.tree))
+    engines = {}
+    for name in args.drafters:
+        drafter = "ngram" if name == "ngram" else load_drafter(SHIPPED / name, target).eval()
+        for shape_name, spec in configs.items():
+            engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec)
+    plain_greedy_generate(target, prompts[0], 16)  # warm-up
+    for engine in engines.values():
+        engine.generate([prompts[0]], 8)
+
+    plain_seconds, plain_tokens = 0.0, 0
+    runs = {key: [] for key in engines}
+    seconds = {key: 0.0 for key in engines}
+    for ids in tqdm(prompts, desc="prompts"):
+        plain = plain_greedy_generate(target, ids, args.max_new_tokens)
+        plain_seconds += plain.seconds
+        plain_tokens += len(plain.token_ids)
+        for key, engine in engines.items():
+            started = time.perf_counter()
+            result = engine.generate([ids], args.max_new_tokens)[0]
+            seconds[key] += time.perf_counter() - started
+            assert result.token_ids == plain.token_ids, f"{key}: output differs from plain greedy decoding"
+            runs[key].append(result)
+
+    plain_tok_s = plain_tokens / plain_seconds
+    rows = []
+    for (name, shape_name), results in runs.items():
+        spec = configs[shape_name]
+        summary = summarize(results, seconds[(name, shape_name)], spec.depth)
+        rows.append({
+            "drafter": name, "draft": shape_name, "acceptance_length": round(summary["acceptance_length"], 3),
+            "acceptance_by_position": [round(x, 3) for x in summary["acceptance_by_position"]],
+            "tokens_per_s": round(summary["tokens_per_s"], 1), "speedup": round(summary["tokens_per_s"] / plain_tok_s, 3),
+            "drafter_share": round(summary["drafter_share"], 3), "target_forwards": summary["target_forwards"],
+        })
+    best = {name: max((r for r in rows if r["drafter"] == name), key=lambda r: r["speedup"]) for name in args.drafters}
+    tree_name = next(k for k in configs if k.startswith("tree"))
+    tree_al = {r["drafter"]: r["acceptance_length"] for r in rows if r["draft"] == tree_name}
+    report = {
+        "benchmark": "runtime_cpu",
+        "prompts": source, "num_prompts": len(prompts), "prompt_tokens_max": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens, "batch": 1, "decoding": "greedy (outputs checked equal to plain)",
+        "plain_tokens_per_s": round(plain_tok_s, 1),
+        "rows": rows,
+        "best_per_drafter": {k: {"draft": v["draft"], "speedup": v["speedup"], "acceptance_length": v["acceptance_length"]}
+                             for k, v in best.items()},
+        "tree_acceptance_ratio_moa_over_eagle": {
+            f"{m}/eagle": round(tree_al[m] / tree_al["eagle"], 3) for m in ("moa-tli0", "moa-tli1")
+            if m in tree_al and "eagle" in tree_al
+        },
+        "provenance": provenance(),
+    }
+    if args.profile and "moa-tli0" in args.drafters:
+        report["profile_moa_tli0_tree"] = profile(engines[("moa-tli0", tree_name)], prompts[:4], args.max_new_tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, list(configs), args.drafters, out.with_suffix(".png"), report)
+    print(json.dumps({k: report[k] for k in ("plain_tokens_per_s", "best_per_drafter", "tree_acceptance_ratio_moa_over_eagle")}, indent=2))
+    for r in rows:
+        print(f"{r['drafter']:12s} {r['draft']:20s} AL {r['acceptance_length']:.2f}  {r['tokens_per_s']:7.1f} tok/s  "
+              f"speedup {r['speedup']:.2f}x  drafter {r['drafter_share']:.0%}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def profile(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Where a MoA tree run spends its time: cumulative seconds of the runtime's main stages."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for ids in prompts:
+        engine.generate([ids], max_new_tokens)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt
+    stages = {
+        "target forward (verification)": ("target.py", "forward"),
+        "drafter: grow tree (SA/CA/LM head per level)": ("tree.py", "grow_tree"),
+        "drafter: accept (LSA over new rows, compaction)": ("drafters.py", "accept"),
+        "LSA (layer self-attention)": ("moa.py", "rows_from_kv"),
+        "LM head (drafter's logits)": ("target.py", "lm_head"),
+        "tree masks / batching": ("tree.py", "verification_inputs"),
+        "acceptance walk": ("verify.py", "greedy_accept"),
+        "target cache commit": ("cache.py", "commit"),
+    }
+    found = {}
+    for label, (file, func) in stages.items():
+        cum = sum(v[3] for k, v in stats.stats.items() if k[0].endswith(file) and k[2] == func)
+        found[label] = {"seconds": round(cum, 3), "share": round(cum / total, 3)}
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    return {"total_s": round(total, 3), "stages": found, "top_ops_by_self_time": text.getvalue().splitlines()[-20:]}
+
+
+def provenance() -> dict:
+    return {
+        "device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "vllm_moa": vllm_moa.__version__, "models": str(SHIPPED.relative_to(ROOT)),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def plot(rows: list[dict], shape_names: list[str], drafters: list[str], path: Path, report: dict) -> None:
+    fig, (ax_al, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(shape_names)
+    for j, shape_name in enumerate(shape_names):
+        sel = {r["drafter"]: r for r in rows if r["draft"] == shape_name}
+        xs = [i + j * width for i in range(len(drafters))]
+        ax_al.bar(xs, [sel[d]["acceptance_length"] for d in drafters], width, label=shape_name)
+        ax_speed.bar(xs, [sel[d]["speedup"] for d in drafters], width, label=shape_name)
+    for ax, title in ((ax_al, "acceptance length (tokens / target forward)"), (ax_speed, "speedup over plain decoding")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(drafters))], drafters)
+        ax.set_title(title)
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    ax_al.legend(fontsize=8)
+    prov = report["provenance"]
+    fig.suptitle(f"demo target, {report['prompts']} prompts x {report['max_new_tokens']} tokens, greedy, batch 1 - "
+                 f"{prov['cpu']} {prov['threads']} threads, torch {prov['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The speculative decoding engine on transformers: a batch of requests of different lengths,
+any drafter, chains or EAGLE-2 trees, greedy or lossless sampling, per-sequence stopping, metrics.
+
+One round for the active sequences of the batch:
+
+    each session drafts a tree rooted at its pending token           (decoding/drafters.py)
+    the trees are padded into one target forward over a slot cache    (tree.verification_inputs)
+    per sequence: accept a path (verify.py), compact the target cache to it (cache.py), roll the
+    drafter forward, emit the accepted tokens + the target's next token, check stops
+
+At temperature 0 the output of every sequence equals the target's own greedy decoding token for
+token, whatever the drafter, the tree or the batch (tests/unit/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vllm_moa.decoding.cache import SlotKVCache
+from vllm_moa.decoding.drafters import DraftSession, open_session
+from vllm_moa.decoding.sampling import SamplingParams, sample
+from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
+from vllm_moa.decoding.verify import greedy_accept, sampled_accept
+from vllm_moa.models import Drafter
+from vllm_moa.target import TargetModel, TargetOutput
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and metrics."""
+
+    token_ids: list[int]
+    finish_reason: str = "length"  # "length" | "eos" | "stop"
+    text: str | None = None  # decoded, stop string excluded (when a tokenizer was given)
+    target_forwards: int = 0  # decoding forwards (prefill excluded)
+    accepted_per_forward: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify
+    drafted_per_forward: list[int] = field(default_factory=list)  # draft depth offered, per verify
+    seconds: float = 0.0  # request start -> its last token
+    ttft: float = 0.0  # request start -> its first token
+    drafter_seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens gained per target forward: accepted draft tokens + 1 (the target's own)."""
+        return sum(self.accepted_per_forward) / max(1, len(self.accepted_per_forward))
+
+    def acceptance_by_position(self, num_positions: int) -> list[float]:
+        """Share of verifications whose i-th draft token (depth i) was accepted, i = 1..num_positions."""
+        rounds = max(1, len(self.accepted_per_forward))
+        return [sum(1 for a in self.accepted_per_forward if a - 1 >= i) / rounds for i in range(1, num_positions + 1)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def drafter_share(self) -> float:
+        return self.drafter_seconds / self.seconds if self.seconds > 0 else float("nan")
+
+
+def summarize(results: Sequence[GenerationResult], wall_seconds: float, num_positions: int) -> dict:
+    """Aggregate metrics over requests (one batch, or many runs): acceptance length over all
+    target forwards, per-position acceptance, throughput over the wall time, drafter share."""
+    forwards = sum(len(r.accepted_per_forward) for r in results)
+    gained = sum(sum(r.accepted_per_forward) for r in results)
+    tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "target_forwards": forwards,
+        "acceptance_length": gained / max(1, forwards),
+        "acceptance_by_position": [
+            sum(1 for r in results for a in r.accepted_per_forward if a - 1 >= i) / max(1, forwards)
+            for i in range(1, num_positions + 1)
+        ],
+        "tokens_per_s": tokens / wall_seconds if wall_seconds > 0 else float("nan"),
+        "drafter_share": sum(r.drafter_seconds for r in results) / wall_seconds if wall_seconds > 0 else float("nan"),
+        "mean_ttft_s": sum(r.ttft for r in results) / max(1, len(results)),
+        "wall_s": wall_seconds,
+    }
+
+
+@dataclass
+class _Sequence:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    session: DraftSession | None
+    result: GenerationResult
+    pending: int = -1
+    emitted: int = 0
+    done: bool = False
+    tokens: list[int] = field(default_factory=list)
+
+
+class SpeculativeEngine:
+    """target + drafter (a loaded drafter, "ngram", or None for plain decoding through the same
+    batched loop) + what to draft each round."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | str | None, spec: DraftSpec | None = None,
+                 tokenizer=None) -> None:
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.spec = spec or DraftSpec.chain(4)
+        if isinstance(drafter, str) and drafter != "ngram":
+            raise ValueError(f"drafter must be a loaded drafter, 'ngram' or None, got {drafter!r}")
+        config = getattr(target.hf_model, "config", None)
+        self.context_window: int | None = getattr(config, "max_position_embeddings", None)
+
+    # -- validation: before any work ---------------------------------------------------------
+    def check_request(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                      stop: Sequence[str] | None) -> None:
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one prompt")
+        vocab = self.target.vocab_size
+        for i, (prompt, budget) in enumerate(zip(prompts, max_tokens)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty: give at least one token")
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt {i} has token ids outside the target's vocabulary [0, {vocab})")
+            if not isinstance(budget, int) or budget <= 0:
+                raise ValueError(f"max_tokens must be a positive integer, got {budget!r} for prompt {i}")
+            if self.context_window is None:
+                continue
+            if len(prompt) >= self.context_window:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens: longer than the target's context window "
+                                 f"({self.context_window})")
+            if len(prompt) + budget > self.context_window:
+                raise ValueError(f"max_tokens={budget} with a {len(prompt)}-token prompt exceeds the context "
+                                 f"window ({self.context_window})")
+            if self.drafter is not None and self.spec.max_nodes + 1 > self.context_window - len(prompt):
+                raise ValueError(f"tree budget {self.spec.max_nodes} (+1 root) is larger than the "
+                                 f"{self.context_window - len(prompt)} positions the context window leaves "
+                                 f"after prompt {i}")
+        if stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer (SpeculativeEngine(..., tokenizer=...))")
+            if any(not isinstance(s, str) or not s for s in stop):
+                raise ValueError(f"stop must be non-empty strings, got {list(stop)!r}")
+
+    # -- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int] = 64,
+                 sampling: SamplingParams | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None, stop: Sequence[str] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt (token ids). `on_tokens(i, tokens)` streams request i's
+        tokens as soon as the target has verified them; they add up to its `token_ids`."""
+        budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+        batch = self.start(prompts, budgets, sampling, seed, eos_token_id, stop, on_tokens)
+        while batch.step():
+            pass
+        return batch.results
+
+    def start(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+              sampling: SamplingParams | None = None, seed: int | None = None,
+              eos_token_id: int | None = None, stop: Sequence[str] | None = None,
+              on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerationBatch:
+        """Validate the requests and prefill them; `step()` the returned batch to decode."""
+        self.check_request(prompts, max_tokens, stop)
+        return GenerationBatch(self, prompts, max_tokens, sampling, seed, eos_token_id, stop, on_tokens)
+
+
+class GenerationBatch:
+    """The requests of one `generate` call in flight: their drafting sessions, the target's slot
+    cache over the still-active ones, and their results. `step()` runs one round."""
+
+    def __init__(self, engine: SpeculativeEngine, prompts, budgets, sampling, seed, eos_token_id, stop,
+                 on_tokens) -> None:
+        self.target, self.drafter, self.spec, self.tokenizer = engine.target, engine.drafter, engine.spec, engine.tokenizer
+        device = self.target.device
+        self._generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        self._sampling = None if sampling is None or sampling.greedy else sampling
+        self._eos, self._stop, self._on_tokens = eos_token_id, list(stop or []), on_tokens
+        self._started = time.perf_counter()
+        self.sequences = [
+            _Sequence(i, list(p), budget, None if self.drafter is None else open_session(self.drafter, self.target),
+                      GenerationResult([]))
+            for i, (p, budget) in enumerate(zip(prompts, budgets))
+        ]
+        self.cache = SlotKVCache(self.target.num_layers, [0] * len(self.sequences))
+        with torch.no_grad():
+            self._prefill(self.sequences, self.cache)
+        self.active = self.sequences
+        self._drop_finished()
+
+    @property
+    def results(self) -> list[GenerationResult]:
+        return [s.result for s in self.sequences]
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One speculative round over the active sequences; False once every request is done."""
+        if self.active:
+            self._round(self.active, self.cache)
+            self._drop_finished()
+        return bool(self.active)
+
+    def _drop_finished(self) -> None:
+        still = [row for row, s in enumerate(self.active) if not s.done]
+        if len(still) < len(self.active):
+            self.cache.select_rows(still)
+            self.active = [self.active[row] for row in still]
+
+    def _prefill(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
+        device = self.target.device
+        prompts = [DraftTree.chain(s.prompt[0], s.prompt[1:], device, fed=0) for s in seqs]
+        width = cache.begin_round(max(t.size for t in prompts), device)
+        ids, positions, mask = verification_inputs(prompts, cache.lengths, width, device)
+        out = self.target(ids, cache, positions, mask)
+        for row, s in enumerate(seqs):
+            n = len(s.prompt)
+            cache.commit(row, list(range(n)))
+            first = self._pick(out.logits[row, n - 1 : n])
+            if s.session is not None:
+                t0 = time.perf_counter()
+                s.session.start(torch.tensor([s.prompt], device=device), _rows(out, row, list(range(n))))
+                s.result.drafter_seconds += time.perf_counter() - t0
+            s.result.ttft = time.perf_counter() - self._started
+            s.pending = first
+            self._emit(s, [first])
+
+    def _round(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
+        device = self.target.device
+        trees = []
+        for s in seqs:
+            t0 = time.perf_counter()
+            tree = DraftTree.single(s.pending, device) if s.session is None else \
+                s.session.propose(s.pending, self.spec, self._sampling, self._generator)
+            s.result.drafter_seconds += time.perf_counter() - t0
+            trees.append(tree)
+        width = cache.begin_round(max(t.size for t in trees), device)
+        ids, positions, mask = verification_inputs(trees, cache.lengths, width, device)
+        out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
+        for row, (s, tree) in enumerate(zip(seqs, trees)):
+            logits = out.logits[row, : tree.size]
+            if self._sampling is None:
+                path, nxt = greedy_accept(tree, logits)
+            else:
+                path, nxt = sampled_accept(tree, self._sampling.probs(logits), self._generator)
+            cache.commit(row, path)
+            if s.session is not None:
+                t0 = time.perf_counter()
+                s.session.accept(tree, path, _rows(out, row, path))
+                s.result.drafter_seconds += time.perf_counter() - t0
+            s.result.target_forwards += 1
+            s.result.accepted_per_forward.append(len(path))
+            s.result.drafted_per_forward.append(max(tree.depths))
+            s.pending = nxt
+            self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
+
+    def _pick(self, logits: Tensor) -> int:
+        """logits [1, V] -> the target's token (greedy or sampled)."""
+        if self._sampling is None:
+            return int(logits.argmax(-1))
+        return int(sample(self._sampling.probs(logits), self._generator))
+
+    def _emit(self, s: _Sequence, new_tokens: list[int]) -> None:
+        """Append verified tokens, apply stops (EOS, max_tokens, stop strings), stream the rest."""
+        for token in new_tokens:
+            s.tokens.append(token)
+            if token == self._eos:
+                s.done, s.result.finish_reason = True, "eos"
+                break
+            if self._stop and self._hit_stop(s):
+                s.done, s.result.finish_reason = True, "stop"
+                break
+            if len(s.tokens) >= s.max_tokens:
+                s.done, s.result.finish_reason = True, "length"
+                break
+        s.result.token_ids = s.tokens
+        if self._on_tokens is not None and len(s.tokens) > s.emitted:
+            self._on_tokens(s.index, s.tokens[s.emitted :])
+        s.emitted = len(s.tokens)
+        s.result.seconds = time.perf_counter() - self._started
+        if s.done and self.tokenizer is not None:
+            text = self.tokenizer.decode(s.tokens)
+            if s.result.finish_reason == "stop":
+                text = text[: min(text.find(x) for x in self._stop if x in text)]
+            s.result.text = text
+
+    def _hit_stop(self, s: _Sequence) -> bool:
+        longest = max(len(x) for x in self._stop)
+        tail = self.tokenizer.decode(s.tokens[-(longest + 8) :])  # a token is at least a byte
+        return any(x in tail for x in self._stop)
+
+
+def _rows(out: TargetOutput, row: int, nodes: list[int]) -> TargetOutput:
+    """The target's output for sequence `row` at the given nodes, each tensor [1, n, ...]."""
+    index = torch.tensor(nodes, device=out.logits.device)
+    return TargetOutput(
+        out.logits[row : row + 1].index_select(1, index),
+        [h[row : row + 1].index_select(1, index) for h in out.hidden_states],
+        [k[row : row + 1].index_select(2, index) for k in out.keys],
+        [v[row : row + 1].index_select(2, index) for v in out.values],
+    )
