@@ -21,7 +21,7 @@ CORE_REQUIRES = [
 ]
 
 EXTRAS = {
-    "vllm": ["vllm>=0.20"],
+    "vllm": ["vllm>=0.26,<0.27"],  # the series vllm_moa/integration/compat.py supports
     "ray": ["ray[train]>=2.40"],
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7"],
 }
@@ -45,5 +45,7 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["vllm-moa=vllm_moa.cli:app"],
+        # speculative method "moa" in every vLLM process (vllm_moa/integration/plugin.py)
+        "vllm.general_plugins": ["moa = vllm_moa.integration.plugin:register"],
     },
 )

@@ -29,3 +29,7 @@ def tiny_target_dir(tmp_path):
     path = tmp_path / "tiny-llama"
     make_hf_target("llama").save_pretrained(path)
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs vLLM installed (tests/integration/vllm; skipped without it)")

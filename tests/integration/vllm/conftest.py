@@ -1,0 +1,55 @@
+"""Shared set-up for the vLLM plugin tests (marker `vllm`; CPU only).
+
+Every test module here is marked `vllm` and starts with `pytest.importorskip("vllm.config")`,
+so without vLLM (the main test environment) they are skipped with a reason. With vLLM, vLLM's
+CpuPlatform is selected first on machines without a GPU (vllm_env.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vllm_env import DEMO, engine_config, has_vllm, select_cpu_platform  # noqa: E402
+
+if has_vllm():
+    select_cpu_platform()
+
+
+@pytest.fixture(scope="session")
+def demo_target():
+    return str(DEMO / "target")
+
+
+@pytest.fixture(scope="session")
+def demo_drafter():
+    return str(DEMO / "moa-tli0")
+
+
+@pytest.fixture(scope="session")
+def moa_config(demo_target, demo_drafter):
+    return engine_config(demo_target, {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="session")
+def vllm_distributed():
+    """vLLM's parallel layers need its (single-rank, gloo) process groups."""
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+            initialize_model_parallel(1, 1)
+    yield

@@ -1,0 +1,171 @@
+"""Each declared patch (vllm_moa/integration/patches.py) against the installed vLLM.
+
+The shape tests read the symbols as vLLM ships them (a fresh interpreter with the plugin off):
+they fail when a patched symbol, a method MoAProposer overrides, or a vLLM callable the plugin
+calls moves or changes signature, or when the V1 runner stops building draft models through
+`DraftModelProposer(...)`. The behaviour tests run the patched symbols."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
+
+import torch  # noqa: E402
+from vllm_env import engine_config  # noqa: E402
+
+from vllm_moa.integration import compat, patches, plugin  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PRISTINE = r"""
+import importlib, inspect, json, typing
+from vllm_moa.integration import compat
+
+def get(module, qualname):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+out = {"patched": {}, "overridden": {}, "used": {}}
+for key, sym in compat.PATCHED_SYMBOLS.items():
+    owner_path, _, attr = sym.attribute.rpartition(".")
+    owner = get(sym.module, owner_path)
+    entry = {"owner": f"{owner.__module__}.{owner.__qualname__}", "has_attr": hasattr(owner, attr),
+             "own": attr in owner.__dict__, "patched_marker": "__vllm_moa_patches__" in owner.__dict__}
+    if sym.contract:
+        entry["signature"] = compat.signature_shape(get(sym.module, sym.contract))
+    out["patched"][key] = entry
+field = get("vllm.config.speculative", "SpeculativeConfig").__dataclass_fields__["method"].type
+literal = [a for a in typing.get_args(field) if typing.get_origin(a) is typing.Literal]
+out["method_values"] = list(typing.get_args(literal[0])) if literal else None
+out["method_optional"] = type(None) in typing.get_args(field)
+module, cls = compat.DRAFT_PROPOSER.split(":")
+for name in compat.OVERRIDDEN_METHODS:
+    out["overridden"][name] = compat.signature_shape(get(module, f"{cls}.{name}"))
+for path in compat.USED_CALLABLES:
+    module, qualname = path.split(":")
+    out["used"][path] = compat.signature_shape(get(module, qualname))
+runner = inspect.getsource(get(compat.RUNNER_MODULE, "GPUModelRunner.__init__"))
+condition, call = compat.RUNNER_DISPATCH
+at = runner.find(condition)
+out["runner_dispatch"] = at >= 0 and runner.find(call, at) >= 0 and runner.find(call, at) - at < 400
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    env = dict(os.environ, VLLM_MOA_PLUGIN="0")
+    out = subprocess.run([sys.executable, "-c", PRISTINE], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert plugin.register()
+
+
+# -- shapes, as vLLM ships them --------------------------------------------------------------
+@pytest.mark.parametrize("key", sorted(compat.PATCHED_SYMBOLS))
+def test_patched_symbol_is_where_and_what_it_was(pristine, key):
+    entry, sym = pristine["patched"][key], compat.PATCHED_SYMBOLS[key]
+    assert entry["has_attr"] and not entry["patched_marker"], entry
+    assert entry["owner"] == f"{sym.module}.{sym.attribute.rpartition('.')[0]}"
+    if sym.contract:
+        assert entry["signature"] == sym.signature
+    if key == "draft_model_proposer":  # object.__new__: nothing of vLLM's own is replaced
+        assert not entry["own"]
+
+
+def test_method_is_a_closed_literal_without_moa(pristine):
+    values = pristine["method_values"]
+    assert values is not None and pristine["method_optional"]
+    assert {"draft_model", "eagle", "ngram"} <= set(values) and compat.METHOD not in values
+
+
+@pytest.mark.parametrize("name", sorted(compat.OVERRIDDEN_METHODS))
+def test_overridden_proposer_method_signature(pristine, name):
+    assert pristine["overridden"][name] == compat.OVERRIDDEN_METHODS[name]
+
+
+@pytest.mark.parametrize("path", sorted(compat.USED_CALLABLES))
+def test_used_vllm_callable_signature(pristine, path):
+    assert pristine["used"][path] == compat.USED_CALLABLES[path]
+
+
+def test_v1_runner_builds_draft_models_through_draft_model_proposer(pristine):
+    assert pristine["runner_dispatch"]
+
+
+# -- mechanics ---------------------------------------------------------------------------------
+def test_patches_are_applied_once_and_refuse_a_rival():
+    assert all(p.applied() for p in patches.PATCHES)
+    wrapped = patches.resolve("uses_draft_model")
+    before = getattr(*wrapped)
+    patches.apply_all()
+    assert getattr(*wrapped) is before  # idempotent
+
+    class RivalPatch(patches.VllmPatch):
+        symbol = "uses_draft_model"
+
+        @classmethod
+        def _patch(cls, owner, attr):  # pragma: no cover - must never run
+            raise AssertionError("patched twice")
+
+    with pytest.raises(patches.PatchConflict, match="already patched by UsesDraftModelPatch"):
+        RivalPatch.apply()
+
+
+def test_wrappers_keep_vllms_functions_underneath():
+    from vllm.config.speculative import SpeculativeConfig
+
+    for fn in (SpeculativeConfig.__post_init__, SpeculativeConfig.uses_draft_model):
+        assert fn.__wrapped__.__module__ == "vllm.config.speculative"
+
+
+# -- behaviour -----------------------------------------------------------------------------------
+def test_method_literal_accepts_moa_and_still_refuses_others(demo_target):
+    from vllm.config.speculative import SpeculativeConfig
+
+    field = SpeculativeConfig.__dataclass_fields__["method"].type
+    literal = next(a for a in typing.get_args(field) if typing.get_origin(a) is typing.Literal)
+    assert compat.METHOD in typing.get_args(literal)
+    with pytest.raises(Exception, match="Input should be"):
+        engine_config(demo_target, {"method": "mystery", "num_speculative_tokens": 2})
+
+
+def test_uses_draft_model_only_for_moa_and_draft_model(moa_config, demo_target):
+    assert moa_config.speculative_config.uses_draft_model()
+    ngram = engine_config(demo_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert not ngram.speculative_config.uses_draft_model()
+
+
+def test_draft_model_proposer_call_returns_the_right_proposer(moa_config, demo_target, monkeypatch):
+    """What the V1 runner's `DraftModelProposer(vllm_config, device, runner)` now builds."""
+    import vllm.v1.spec_decode.llm_base_proposer as base
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    from vllm_moa.integration.proposer import MoAProposer
+
+    monkeypatch.setattr(base, "PIN_MEMORY", False)  # vLLM's CPU platform claims pinned memory
+    draft = engine_config(demo_target, {"method": "draft_model", "model": demo_target, "num_speculative_tokens": 2})
+    for config, want in ((moa_config, MoAProposer), (draft, DraftModelProposer)):
+        with set_current_vllm_config(config):
+            proposer = DraftModelProposer(config, torch.device("cpu"), None)
+        assert type(proposer) is want
+    with set_current_vllm_config(moa_config):
+        proposer = DraftModelProposer(vllm_config=moa_config, device=torch.device("cpu"))
+    # vLLM's draft-model plumbing: one extra slot per request, unshifted token ids, no hidden states
+    assert isinstance(proposer, MoAProposer) and proposer.needs_extra_input_slots
+    assert not proposer.pass_hidden_states_to_model and not proposer.model_returns_tuple()
+    assert draft.speculative_config.method == "draft_model"

@@ -1,0 +1,42 @@
+"""Helpers of the vLLM plugin tests (a plain module: `conftest` names are ambiguous to import).
+
+With vLLM's CUDA wheel on a machine without a GPU, vLLM resolves no platform at all
+(UnspecifiedPlatform: no device type, so no config can be built). `select_cpu_platform()` picks
+vLLM's own CpuPlatform before anything reads `current_platform`; conftest.py calls it first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+DEMO = REPO / "vllm_moa" / "assets" / "demo"
+
+
+def has_vllm() -> bool:
+    try:
+        return importlib.util.find_spec("vllm.config") is not None
+    except (ImportError, ValueError):  # a bare namespace directory named vllm, no package
+        return False
+
+
+def select_cpu_platform() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    if platforms._current_platform is None or isinstance(platforms._current_platform, UnspecifiedPlatform):
+        platforms._current_platform = CpuPlatform()
+
+
+def engine_config(target: str, speculative_config: dict, **kwargs):
+    """vLLM's own path from user arguments to a VllmConfig (what LLM(...) and vllm serve run)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs.setdefault("skip_tokenizer_init", True)
+    return EngineArgs(model=target, speculative_config=speculative_config, **kwargs).create_engine_config()

@@ -1,0 +1,130 @@
+"""The MoA drafter's config as vLLM sees it, and the checks run when vLLM builds its
+SpeculativeConfig (in the front-end process, before any engine or GPU memory exists).
+
+No vLLM import here: the checks take plain values, so they are testable anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm_moa.config import (
+    DrafterConfigError,
+    MoAConfig,
+    read_drafter_config,
+)
+from vllm_moa.integration import compat
+from vllm_moa.integration.signature import signature_from_hf_config
+
+# The drafter keeps no position table (RoPE), so its own length limit never binds; vLLM takes
+# min(this, the target's max_model_len).
+UNBOUNDED_POSITIONS = 1 << 24
+
+
+class UnsupportedMoASetup(ValueError):
+    """A valid drafter asked for in a setup the plugin does not run (yet)."""
+
+
+class MoAVllmConfig(MoAConfig):
+    """MoAConfig (same config.json) plus the standard attributes vLLM derives sizes from.
+
+    hidden_size / vocab_size are the target's; the head counts are SA's (vLLM only reads them for
+    bookkeeping: the KV-cache specs come from the model's attention layers themselves).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("architectures", [compat.ARCHITECTURE])
+        super().__init__(**kwargs)
+        if self.target is not None:
+            sig = self.target_signature
+            self.hidden_size = sig.hidden_size
+            self.vocab_size = sig.vocab_size
+        self.num_hidden_layers = 2  # SA and CA: the drafter's two KV-cached attentions
+        self.num_attention_heads = self.sa_num_heads
+        self.num_key_value_heads = self.sa_num_kv_heads
+        self.head_dim = self.sa_head_dim
+        self.max_position_embeddings = UNBOUNDED_POSITIONS
+
+
+def register_hf_config() -> None:
+    """Make transformers' AutoConfig (which vLLM calls) build MoAVllmConfig for model_type
+    "moa_drafter". Idempotent."""
+    from transformers import AutoConfig
+
+    AutoConfig.register(MoAVllmConfig.model_type, MoAVllmConfig, exist_ok=True)
+
+
+def check_moa_drafter(
+    drafter: str | None,
+    target_hf_config: Any,
+    target_path: str | None,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    draft_tensor_parallel_size: int | None = None,
+    strict_fingerprint: bool = True,
+) -> MoAConfig:
+    """Validate a speculative_config {"method": "moa", "model": drafter, ...} against the target.
+
+    Raises DrafterConfigError (malformed or non-MoA drafter, naming the key), DrafterTargetMismatch
+    (trained for another target, naming the field) or UnsupportedMoASetup. Returns the config.
+    """
+    if not drafter:
+        raise DrafterConfigError(
+            "speculative method 'moa' needs 'model': the MoA drafter directory (config.json + model.safetensors)"
+        )
+    path = Path(drafter)
+    if not path.is_dir():
+        raise DrafterConfigError(
+            f"MoA drafter {drafter!r} is not a local directory; download it first "
+            "(e.g. `huggingface-cli download <repo> --local-dir <dir>`) and pass the directory"
+        )
+    lowered = str(drafter).lower()
+    for needle in compat.METHOD_AUTODETECT_SUBSTRINGS:
+        if needle in lowered:
+            raise UnsupportedMoASetup(
+                f"MoA drafter path {drafter!r} contains {needle!r}, which vLLM's speculative config "
+                "takes as the name of another method (EAGLE/DFlash/DSpark auto-detection); rename the directory"
+            )
+    config = read_drafter_config(path)
+    if not isinstance(config, MoAConfig):
+        raise DrafterConfigError(
+            f"{path}: model_type is {config.model_type!r}, but speculative method 'moa' needs a MoA drafter "
+            f"(model_type {MoAConfig.model_type!r})"
+        )
+    actual = signature_from_hf_config(target_hf_config, target_path)
+    config.target_signature.check_compatible(actual, strict_fingerprint=strict_fingerprint)
+
+    if config.tli > 0:
+        raise UnsupportedMoASetup(
+            f"{path}: tli={config.tli}; the vLLM plugin runs TLI = 0 drafters only so far (TLI > 0 runs "
+            "the target's last layers inside the drafter). Use a TLI = 0 drafter, or vllm-moa's "
+            "transformers runtime (`vllm-moa generate`)"
+        )
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size),
+                        ("draft_tensor_parallel_size", draft_tensor_parallel_size or 1)):
+        if value != 1:
+            raise UnsupportedMoASetup(
+                f"{name}={value}: MoA's layer self-attention reads every KV head of every target layer, "
+                "which a tensor- or pipeline-parallel rank does not hold; the plugin runs on one GPU per "
+                "engine (use data parallelism to scale out)"
+            )
+    window = getattr(target_hf_config, "sliding_window", None)
+    if getattr(target_hf_config, "use_sliding_window", True) and window and \
+            window < getattr(target_hf_config, "max_position_embeddings", 0):
+        raise UnsupportedMoASetup(
+            f"the target uses sliding-window attention (sliding_window={window}); MoA needs every "
+            "verified token's KV in every layer"
+        )
+    return config
+
+
+def check_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> None:
+    """The target's KV cache must hold model-dtype values: LSA reads it as such (no fp8 scales)."""
+    if cache_dtype not in ("auto", model_dtype):
+        raise UnsupportedMoASetup(
+            f"kv_cache_dtype={cache_dtype!r}: MoA reads the target's KV cache as {model_dtype} values; "
+            "quantised or converted KV caches are not supported (leave kv_cache_dtype at 'auto')"
+        )

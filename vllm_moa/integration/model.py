@@ -1,0 +1,260 @@
+"""The MoA drafter as a vLLM model (architecture "MoADraftModel", registered by the plugin).
+
+Same maths as `vllm_moa.models.moa.MoADrafter` (TLI = 0), laid out for vLLM's paged caches:
+
+    tap (MoAProposer, once per step, outside CUDA graphs):
+        target per-layer paged KV of the step's verified tokens --LSA (vllm_moa.kernels: Triton
+        on GPU, PyTorch twin on CPU)--> Ekv2E rows --CA k/v projections, RoPE at the row's
+        position--> written into CA's paged KV cache at the token's own slot
+    forward (vLLM's draft-model loop; compiled, CUDA graphs where vLLM uses them):
+        token embedding (target's) --SA (vLLM Attention, causal, own paged KV)--> CA query
+        --CA (vLLM Attention over the row cache; writes nothing)--> out_norm --> target LM head
+
+CA attends exactly the R verified rows of its request: MoAProposer gives CA its own sequence
+lengths (R) and, in the first pass, non-causal attention (every query of the pass, in particular
+the one at the token the target just sampled, sees rows 0..R-1; the other queries' outputs are
+not used). The target's KV, SA's KV and CA's rows of a token share its slot, so vLLM's block
+management (prefix caching, preemption, chunked prefill) keeps them together.
+
+SA and CA are built from vLLM layers (QKV/merged/row-parallel linears, RMSNorm, get_rope,
+Attention), so vLLM owns their KV blocks (in the target's block tables), their attention
+backend and their compilation. LSA is `vllm_moa.models.moa.LayerSelfAttention`, the module
+whose weights the LSA kernel reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+
+from vllm_moa.config import DrafterConfigError, MoAConfig
+from vllm_moa.kernels import lsa_attention
+from vllm_moa.models.moa import LayerSelfAttention
+
+AttentionFactory = Callable[..., nn.Module]
+
+# checkpoint name (vllm_moa.models.moa.MoADrafter) -> (parameter name here, shard id or None)
+_STACKED = {
+    "sa.attn.q_proj": ("model.sa.qkv_proj", "q"),
+    "sa.attn.k_proj": ("model.sa.qkv_proj", "k"),
+    "sa.attn.v_proj": ("model.sa.qkv_proj", "v"),
+    "ca.attn.k_proj": ("model.ca.kv_proj", 0),
+    "ca.attn.v_proj": ("model.ca.kv_proj", 1),
+    "sa.mlp.gate_proj": ("model.sa.mlp.gate_up_proj", 0),
+    "sa.mlp.up_proj": ("model.sa.mlp.gate_up_proj", 1),
+    "ca.mlp.gate_proj": ("model.ca.mlp.gate_up_proj", 0),
+    "ca.mlp.up_proj": ("model.ca.mlp.gate_up_proj", 1),
+}
+_RENAMED = {
+    "sa.attn.o_proj": "model.sa.o_proj",
+    "ca.attn.q_proj": "model.ca.q_proj",
+    "ca.attn.o_proj": "model.ca.o_proj",
+}
+
+
+def _rope(head_dim: int, theta: float, max_positions: int) -> nn.Module:
+    return get_rope(head_dim, max_position=max_positions, is_neox_style=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": theta})
+
+
+class MoAMLP(nn.Module):
+    """SwiGLU. The activation is written out (vLLM's SiluAndMul needs its compiled ops even to
+    be constructed on CPU); vLLM's compilation of the drafter fuses it on GPU."""
+
+    def __init__(self, width: int, intermediate: int, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(width, [intermediate] * 2, bias=False,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up, _ = self.gate_up_proj(x)  # [T, 2I]
+        d = gate_up.shape[-1] // 2
+        out, _ = self.down_proj(F.silu(gate_up[..., :d]) * gate_up[..., d:])
+        return out
+
+
+class MoASelfAttention(nn.Module):
+    """SA: a pre-norm decoder block over the token embeddings, causal, vLLM-paged KV."""
+
+    def __init__(self, config: MoAConfig, vllm_config: VllmConfig, attention: AttentionFactory, prefix: str) -> None:
+        super().__init__()
+        width = config.target_signature.hidden_size
+        heads, kv_heads, d = config.sa_num_heads, config.sa_num_kv_heads, config.sa_head_dim
+        self.q_size, self.kv_size = heads * d, kv_heads * d
+        self.input_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.qkv_proj = QKVParallelLinear(width, d, heads, kv_heads, bias=False, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
+        self.attn = attention(heads, d, d ** -0.5, num_kv_heads=kv_heads,
+                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.mlp = MoAMLP(width, config.sa_intermediate_size, f"{prefix}.mlp")
+
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        """positions [T], hidden [T, E] -> [T, E]"""
+        qkv, _ = self.qkv_proj(self.input_norm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn(q, k, v))
+        hidden = hidden + out
+        return hidden + self.mlp(self.post_norm(hidden))
+
+
+class MoACrossAttention(nn.Module):
+    """CA: queries from SA's output; keys/values are the Ekv2E rows the tap wrote into this
+    attention's paged cache (see the module docstring)."""
+
+    def __init__(self, config: MoAConfig, vllm_config: VllmConfig, attention: AttentionFactory, prefix: str) -> None:
+        super().__init__()
+        width = config.target_signature.hidden_size
+        heads, kv_heads, d = config.ca_num_heads, config.ca_num_kv_heads, config.ca_head_dim
+        self.num_kv_heads, self.head_dim, self.kv_size = kv_heads, d, kv_heads * d
+        self.query_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.row_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.q_proj = ColumnParallelLinear(width, heads * d, bias=False, prefix=f"{prefix}.q_proj")
+        self.kv_proj = MergedColumnParallelLinear(width, [kv_heads * d] * 2, bias=False, prefix=f"{prefix}.kv_proj")
+        self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
+        self.attn = attention(heads, d, d ** -0.5, num_kv_heads=kv_heads,
+                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.mlp = MoAMLP(width, config.ca_intermediate_size, f"{prefix}.mlp")
+
+    def row_keys_values(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Ekv2E rows [M, E] of tokens at positions [M] -> k, v [M, H_kv, d] (k rotated)."""
+        kv, _ = self.kv_proj(self.row_norm(rows))
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+        k, _ = self.rotary_emb(positions, k, None)  # RoPE on k alone, at the rows' own positions
+        return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        """positions [T], hidden [T, E] (SA output) -> [T, E]"""
+        q, _ = self.q_proj(self.query_norm(hidden))
+        q, _ = self.rotary_emb(positions, q, None)
+        # vLLM's attention op takes k/v tensors; CA has no slot mapping in the forward context,
+        # so nothing is written and the backend reads K/V from the cache only.
+        unused = hidden.new_zeros(hidden.shape[0], self.kv_size)
+        out, _ = self.o_proj(self.attn(q, unused, unused))
+        hidden = hidden + out
+        return hidden + self.mlp(self.post_norm(hidden))
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": {0: "b"}, "positions": {0: "b"}, "inputs_embeds": {0: "b"}})
+class MoADraftStack(nn.Module):
+    """The compiled part: embedding -> SA -> CA -> out_norm, over vLLM's flattened tokens."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", attention: AttentionFactory | None = None) -> None:
+        super().__init__()
+        config = draft_hf_config(vllm_config)
+        attention = attention or Attention
+        self.embed_tokens: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
+        self.sa = MoASelfAttention(config, vllm_config, attention, maybe_prefix(prefix, "sa"))
+        self.ca = MoACrossAttention(config, vllm_config, attention, maybe_prefix(prefix, "ca"))
+        # TLI = 0: the CA output stands for the target's final post-norm hidden state
+        self.out_norm = RMSNorm(config.target_signature.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] (or inputs_embeds [T, E]), positions [T] -> predicted final hidden [T, E]"""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        hidden = self.sa(positions, hidden)
+        hidden = self.ca(positions, hidden)
+        return self.out_norm(hidden)
+
+
+def draft_hf_config(vllm_config: VllmConfig) -> MoAConfig:
+    spec = vllm_config.speculative_config
+    config = spec.draft_model_config.hf_config if spec is not None else vllm_config.model_config.hf_config
+    if not isinstance(config, MoAConfig):
+        raise DrafterConfigError(f"MoADraftModel needs a MoA drafter config, got {type(config).__name__}")
+    if config.tli != 0:
+        raise DrafterConfigError(f"MoADraftModel runs TLI = 0 drafters; this one has tli={config.tli}")
+    return config
+
+
+class MoADraftModel(nn.Module):
+    """vLLM's handle on the drafter: forward / compute_logits for the draft loop, `write_rows`
+    for the tap, load_weights for MoADrafter checkpoints (trainable weights only)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", attention: AttentionFactory | None = None) -> None:
+        super().__init__()
+        self.config = config = draft_hf_config(vllm_config)
+        self.model = MoADraftStack(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), attention=attention)
+        self.lsa = LayerSelfAttention(config)
+        self.lm_head: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
+        self.logits_processor = LogitsProcessor(config.target_signature.vocab_size)
+
+    # -- the draft loop ---------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Tensor | None, positions: Tensor, inputs_embeds: Tensor | None = None,
+                **_: Any) -> Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # -- the tap ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def write_rows(self, target_kv_caches: list[Tensor], layout: Callable, read_slots: Tensor,
+                   row_positions: Tensor, write_slots: Tensor) -> None:
+        """Turn verified tokens into CA keys/values in CA's paged cache.
+
+        target_kv_caches: the target's L per-layer caches (vLLM's tensors, read in `layout`)
+        read_slots [M]:    the tokens' slots in those caches
+        row_positions [M]: their positions (RoPE of the CA keys)
+        write_slots [M]:   CA cache slots to write (the same slots; -1 = skip, a rejected draft)
+        """
+        rows = lsa_attention(self.lsa, target_kv_caches, read_slots, layout=layout)  # [M, E]
+        k, v = self.model.ca.row_keys_values(rows, row_positions)
+        attn = self.model.ca.attn
+        attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, write_slots)
+
+    # -- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Load a MoADrafter checkpoint (names as `MoADrafter.state_dict()`); returns the
+        parameter names filled, which vLLM's loader compares with the model's."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            module, _, leaf = name.rpartition(".")
+            if module in _STACKED:
+                target, shard = _STACKED[module]
+                param = params[f"{target}.{leaf}"]
+                param.weight_loader(param, tensor, shard)
+                loaded.add(f"{target}.{leaf}")
+                continue
+            target_name = f"{_RENAMED[module]}.{leaf}" if module in _RENAMED else _checkpoint_to_param(name)
+            if target_name not in params:
+                raise DrafterConfigError(f"MoA checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target_name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target_name)
+        return loaded
+
+
+def _checkpoint_to_param(name: str) -> str:
+    """lsa.* keeps its name; sa.*, ca.*, out_norm.* live under the compiled stack `model.`."""
+    if name.startswith("lsa."):
+        return name
+    return f"model.{name}"

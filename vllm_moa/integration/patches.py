@@ -1,0 +1,201 @@
+"""Every change the plugin makes to vLLM's internals: four declared patches, one per symbol.
+
+    MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
+    SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
+                                                                run vLLM's own draft-model set-up
+    UsesDraftModelPatch       SpeculativeConfig.uses_draft_model  "moa" takes the draft-model road in the
+                                                                scheduler (lookahead slots) and the V1 runner
+    DraftModelProposerPatch   DraftModelProposer.__new__        the runner's DraftModelProposer(...) is a
+                                                                MoAProposer when the method is "moa"
+
+Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
+itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
+extra slot per request, CUDA graphs, metrics) through `uses_draft_model()` and
+`isinstance(drafter, DraftModelProposer)`. MoA is a draft model that also reads the target's
+KV cache, so MoAProposer subclasses DraftModelProposer and these four patches route "moa" there.
+
+A patch records itself on the patched class; applying it again is a no-op, and two different
+patches of one attribute are refused (as ArcticInference's patching does). Shapes of the patched
+symbols are recorded in compat.PATCHED_SYMBOLS and checked by tests/integration/vllm/test_vllm_patches.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+from vllm_moa.integration import compat
+
+REGISTRY_ATTR = "__vllm_moa_patches__"
+
+
+class PatchConflict(RuntimeError):
+    """Two different patches for one vLLM attribute."""
+
+
+def resolve(key: str) -> tuple[Any, str]:
+    """compat.PATCHED_SYMBOLS key -> (owner class, attribute name)."""
+    symbol = compat.PATCHED_SYMBOLS[key]
+    owner: Any = importlib.import_module(symbol.module)
+    *path, attr = symbol.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+class VllmPatch:
+    """One change to one vLLM attribute. Subclasses set `symbol` and implement `_patch`."""
+
+    symbol: ClassVar[str]
+
+    @classmethod
+    def applied(cls) -> bool:
+        owner, attr = resolve(cls.symbol)
+        return owner.__dict__.get(REGISTRY_ATTR, {}).get(attr) == cls.__name__
+
+    @classmethod
+    def apply(cls) -> None:
+        owner, attr = resolve(cls.symbol)
+        registry = owner.__dict__.get(REGISTRY_ATTR)
+        if registry is None:
+            registry = {}
+            setattr(owner, REGISTRY_ATTR, registry)
+        done = registry.get(attr)
+        if done == cls.__name__:
+            return
+        if done is not None:
+            raise PatchConflict(f"{owner.__name__}.{attr} is already patched by {done}")
+        cls._patch(owner, attr)
+        registry[attr] = cls.__name__
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        raise NotImplementedError
+
+
+class MethodLiteralPatch(VllmPatch):
+    """SpeculativeConfig.method is `Literal[...] | None` in a pydantic dataclass that forbids
+    other values; widen the Literal by "moa" and rebuild the validator (and the CLI choices of
+    --spec-method, which vLLM reads from the same annotation)."""
+
+    symbol = "speculative_method"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        from pydantic.dataclasses import rebuild_dataclass
+
+        field = owner.__dataclass_fields__[attr]
+        literal = _method_literal(field.type)
+        values = get_args(literal)
+        if compat.METHOD not in values:
+            widened = Union[Literal[values + (compat.METHOD,)], None]  # noqa: UP007 (a runtime type)
+            field.type = widened
+            owner.__annotations__[attr] = widened
+            rebuild_dataclass(owner, force=True)
+
+
+def _method_literal(annotation: Any) -> Any:
+    """The Literal inside `Literal[...] | None`."""
+    candidates = [annotation, *get_args(annotation)]
+    for candidate in candidates:
+        if get_origin(candidate) is Literal:
+            return candidate
+    raise TypeError(f"SpeculativeConfig.method is {annotation!r}, not a Literal of method names")
+
+
+class SpeculativePostInitPatch(VllmPatch):
+    """For method "moa": check the drafter directory against the target (draft_config.py), then
+    run vLLM's own __post_init__ as for a draft model (it builds the draft ModelConfig, checks
+    draft tensor parallelism and lengths), then restore the method name."""
+
+    symbol = "speculative_post_init"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def __post_init__(self):  # noqa: N807
+            if self.method != compat.METHOD:
+                return original(self)
+            from vllm_moa.integration.draft_config import check_moa_drafter
+
+            target = self.target_model_config
+            parallel = self.target_parallel_config
+            if target is None or parallel is None:
+                raise ValueError("speculative method 'moa' needs the target's model and parallel configs "
+                                 "(build the engine through EngineArgs, LLM or vllm serve)")
+            check_moa_drafter(
+                self.model, target.hf_config, target.model,
+                tensor_parallel_size=parallel.tensor_parallel_size,
+                pipeline_parallel_size=parallel.pipeline_parallel_size,
+                draft_tensor_parallel_size=self.draft_tensor_parallel_size,
+            )
+            self.method = "draft_model"
+            try:
+                result = original(self)
+                if self.method != "draft_model":  # vLLM re-detected the method from the path
+                    raise ValueError(f"vLLM turned speculative method 'moa' into {self.method!r} "
+                                     f"for drafter {self.model!r}")
+            finally:
+                self.method = compat.METHOD
+            return result
+
+        setattr(owner, attr, __post_init__)
+
+
+class UsesDraftModelPatch(VllmPatch):
+    """uses_draft_model() is True for "moa" too: the scheduler then reserves K lookahead slots per
+    request (MoA writes its SA KV there) and the V1 runner prepares padded draft inputs, builds the
+    drafter's attention metadata and CUDA-graph keys, and calls propose()."""
+
+    symbol = "uses_draft_model"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def uses_draft_model(self) -> bool:
+            return self.method == compat.METHOD or original(self)
+
+        setattr(owner, attr, uses_draft_model)
+
+
+class DraftModelProposerPatch(VllmPatch):
+    """The V1 runner constructs `DraftModelProposer(vllm_config, device, runner)` when
+    uses_draft_model(); for "moa" that call returns a MoAProposer (a DraftModelProposer subclass,
+    so every isinstance check in the runner still holds)."""
+
+    symbol = "draft_model_proposer"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        base = owner  # DraftModelProposer
+
+        def __new__(klass, *args, **kwargs):  # noqa: N807
+            if klass is base:
+                vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+                spec = getattr(vllm_config, "speculative_config", None)
+                if spec is not None and spec.method == compat.METHOD:
+                    from vllm_moa.integration.proposer import MoAProposer
+
+                    klass = MoAProposer
+            return object.__new__(klass)
+
+        setattr(base, attr, __new__)
+
+
+PATCHES: tuple[type[VllmPatch], ...] = (
+    MethodLiteralPatch,
+    SpeculativePostInitPatch,
+    UsesDraftModelPatch,
+    DraftModelProposerPatch,
+)
+
+
+def apply_all() -> None:
+    """Apply every patch (idempotent)."""
+    for patch in PATCHES:
+        patch.apply()

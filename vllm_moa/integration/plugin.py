@@ -1,0 +1,62 @@
+"""vLLM entry point (`vllm.general_plugins`: moa = vllm_moa.integration.plugin:register).
+
+vLLM calls `register()` once in every process it starts (API server, engine core, workers)
+before it builds configs or loads models. It must be cheap and idempotent and must not touch
+CUDA: it checks the vLLM version, applies the declared patches (patches.py) and registers the
+drafter's model class (lazily, by string) and config class. Importing this module imports
+neither vLLM nor torch.
+
+Environment:
+    VLLM_MOA_PLUGIN=0                 load nothing (vLLM behaves as without vllm-moa)
+    VLLM_MOA_ALLOW_UNTESTED_VLLM=1    patch a vLLM outside the supported series anyway
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm_moa.integration")
+
+ENABLE_ENV = "VLLM_MOA_PLUGIN"
+
+_registered = False
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
+
+
+def register() -> bool:
+    """Make speculative method "moa" available in this process. Returns whether it is."""
+    global _registered
+    if _registered:
+        return True
+    if not _env_flag(ENABLE_ENV, True):
+        logger.info("vllm-moa plugin disabled by %s=0", ENABLE_ENV)
+        return False
+
+    from vllm_moa.integration import compat
+
+    version = compat.installed_vllm_version()
+    reason = compat.unsupported_reason(version)
+    if reason is not None:
+        if not _env_flag(compat.ALLOW_UNTESTED_ENV, False) or version is None:
+            logger.warning("%s", reason)
+            return False
+        logger.warning("vllm-moa: patching untested vLLM %s because %s=1", version, compat.ALLOW_UNTESTED_ENV)
+
+    from vllm import ModelRegistry
+
+    from vllm_moa.integration import patches
+    from vllm_moa.integration.draft_config import register_hf_config
+
+    patches.apply_all()
+    register_hf_config()
+    ModelRegistry.register_model(compat.ARCHITECTURE, compat.MODEL_CLASS)
+    _registered = True
+    logger.info("vllm-moa: speculative method %r registered (vLLM %s)", compat.METHOD, version)
+    return True

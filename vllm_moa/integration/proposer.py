@@ -1,0 +1,183 @@
+"""MoAProposer: vLLM 0.26's draft-model proposer, plus MoA's tap on the target's KV cache.
+
+What vLLM already does for a draft model (SpecDecodeBaseProposer / DraftModelProposer), and
+MoA keeps: one extra slot per request for the token the target just sampled, rejected drafts
+padded out of the batch (slot -1) without a host sync, the draft model's own attention layers
+in the target's block tables (prefix caching, chunked prefill and preemption come with them),
+K drafting steps for every request of the batch, greedy or probabilistic draft sampling,
+CUDA graphs (piecewise) and the spec-decode metrics.
+
+What MoA adds:
+    1. the tap (`propose`, before vLLM's loop): the step's scheduled tokens' slots in the
+       target's per-layer paged KV cache -> LSA -> Ekv2E rows -> CA keys/values written at
+       the same slots of CA's paged cache (rejected drafts skipped: tap.tap_write_slots);
+    2. CA's own attention metadata: sequence lengths = the verified count (tap.row_seq_lens),
+       non-causal in the first pass (like vLLM's DFlash drafter, the drafter's backend is
+       chosen among those that support it), and no KV writes in the forward (no slot mapping).
+The embedding and LM head are the target's own modules (shared, never copied).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_layers_from_vllm_config, replace
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from vllm_moa.integration import compat
+from vllm_moa.integration.draft_config import UnsupportedMoASetup, check_kv_cache_dtype
+from vllm_moa.integration.model import MoADraftModel
+from vllm_moa.integration.tap import row_seq_lens, tap_write_slots
+
+logger = init_logger(__name__)
+
+
+class MoAProposer(DraftModelProposer):
+    """vLLM's draft-model proposer for MoADraftModel, with the tap (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        check_kv_cache_dtype(vllm_config.cache_config.cache_dtype, dtype)
+        self._target_layers: list[nn.Module] = []
+        self._ca_layer_names: set[str] = set()
+        self._kv_layout: compat.KVLayout | None = None
+        self._num_rejected: torch.Tensor | None = None  # [B] of the step being drafted
+
+    def _create_draft_vllm_config(self) -> VllmConfig:
+        base = super()._create_draft_vllm_config()
+        # CA's first pass is non-causal: pick a backend that supports it (as vLLM's DFlash does)
+        return replace(base, attention_config=replace(base.attention_config, use_non_causal=True))
+
+    # -- model ------------------------------------------------------------------------------
+    def moa_model(self) -> MoADraftModel:
+        model = self.model
+        return model.unwrap() if hasattr(model, "unwrap") else model
+
+    def model_returns_tuple(self) -> bool:
+        return False
+
+    def _maybe_share_embeddings(self, target_language_model: nn.Module) -> None:
+        self.moa_model().model.embed_tokens = target_language_model.model.embed_tokens
+
+    def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
+        self.moa_model().lm_head = target_language_model.lm_head
+
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)  # builds MoADraftModel, finds the draft attention layers
+        model = self.moa_model()
+        self._ca_layer_names = {model.model.ca.attn.layer_name}
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+        target_names = sorted(set(layers) - self._draft_attn_layer_names, key=extract_layer_index)
+        sig = model.config.target_signature
+        if len(target_names) != sig.num_layers:
+            raise UnsupportedMoASetup(
+                f"the drafter was trained on {sig.num_layers} target layers; vLLM's target has "
+                f"{len(target_names)} attention layers ({target_names[:3]}...)"
+            )
+        for name in target_names:
+            layer = layers[name]
+            if (layer.num_kv_heads, layer.head_size) != (sig.num_kv_heads, sig.head_dim):
+                raise UnsupportedMoASetup(
+                    f"target layer {name} has {layer.num_kv_heads} KV heads of {layer.head_size}; the "
+                    f"drafter needs {sig.num_kv_heads} of {sig.head_dim} (tensor parallelism is not supported)"
+                )
+        self._target_layers = [layers[name] for name in target_names]
+
+    def initialize_attn_backend(self, kv_cache_config: KVCacheConfig,
+                                kernel_block_sizes: list[int] | None = None) -> None:
+        super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+        target_names = {layer.layer_name for layer in self._target_layers}
+        group = kv_cache_config.kv_cache_groups[self.kv_cache_gid]
+        if not target_names <= set(group.layer_names):
+            raise UnsupportedMoASetup(
+                "MoA addresses the target's KV cache with the drafter's block table, so every target "
+                "attention layer must share the drafter's KV-cache group; vLLM split them "
+                f"(drafter group {self.kv_cache_gid}: {sorted(group.layer_names)[:4]}...)"
+            )
+        backends = {layer.get_attn_backend().get_name() for layer in self._target_layers}
+        if len(backends) != 1:
+            raise UnsupportedMoASetup(f"target layers run on several attention backends: {sorted(backends)}")
+        backend = backends.pop()
+        self._kv_layout = compat.kv_layout_for_backend(backend)
+        logger.info("MoA drafter: tapping %d target layers (%s KV cache, block size %d, KV-cache group %d)",
+                    len(self._target_layers), backend, self.block_size, self.kv_cache_gid)
+
+    # -- drafting ---------------------------------------------------------------------------
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,  # [N]
+        target_positions: torch.Tensor,  # [N]
+        target_hidden_states: torch.Tensor,  # [N, E] (unused: MoA reads the KV cache)
+        next_token_ids: torch.Tensor,  # [B]
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,  # [B]
+        slot_mappings: Any = None,
+    ) -> torch.Tensor:
+        self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu)
+        self._num_rejected = num_rejected_tokens_gpu
+        try:
+            return super().propose(
+                num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+                slot_mappings=slot_mappings,
+            )  # [B, K]
+        finally:
+            self._num_rejected = None
+
+    def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
+                            num_rejected: torch.Tensor | None) -> None:
+        """The tap: CA rows for the step's scheduled tokens, at their own slots."""
+        if positions.dim() != 1:
+            raise UnsupportedMoASetup("MoA drafts for text targets with 1-D positions (no M-RoPE)")
+        slots = cad.slot_mapping[: positions.shape[0]]  # where the target just wrote their KV
+        write = tap_write_slots(cad.query_start_loc, slots, num_rejected)
+        caches = [layer.kv_cache for layer in self._target_layers]
+        self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write)
+
+    def build_per_group_and_layer_attn_metadata(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
+    ) -> tuple[list[object], dict[str, object]]:
+        per_group, per_layer = super().build_per_group_and_layer_attn_metadata(common_attn_metadata, draft_index)
+        cad = common_attn_metadata
+        seq_lens_cpu = cad._seq_lens_cpu
+        rejected = self._num_rejected
+        rows_cad = cad.replace(
+            seq_lens=row_seq_lens(cad.seq_lens, draft_index, rejected),
+            _seq_lens_cpu=None if seq_lens_cpu is None or rejected is not None
+            else row_seq_lens(seq_lens_cpu, draft_index),
+            _num_computed_tokens_cpu=None,
+            _num_computed_tokens_cache=None,
+            causal=draft_index > 0,  # first pass: every query sees all R rows
+        )
+        for group in self.draft_attn_groups:
+            names = self._ca_layer_names.intersection(group.layer_names)
+            if not names:
+                continue
+            metadata = group.get_metadata_builder().build_for_drafting(rows_cad, draft_index)
+            if draft_index == 0 and getattr(metadata, "causal", False) is not False:
+                raise UnsupportedMoASetup(
+                    f"MoA's cross-attention needs a non-causal-capable attention backend; the drafter "
+                    f"runs on {group.backend.get_name()} (use FLASH_ATTN, TRITON_ATTN or FLASHINFER)"
+                )
+            for name in names:
+                per_layer[name] = metadata
+        return per_group, per_layer
+
+    def _get_slot_mapping(self, num_tokens: int, slot_mapping: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        mapping = super()._get_slot_mapping(num_tokens, slot_mapping)
+        for name in self._ca_layer_names:  # CA's cache is written by the tap only
+            mapping.pop(name, None)
+        return mapping
