@@ -2,17 +2,18 @@
 
 Layout (per target attention layer; one tensor per layer, as vLLM binds ``layer.kv_cache``)
 ------------------------------------------------------------------------------------------
-``"flash_attn"`` (the default; vLLM's FlashAttention backend in the 0.20-0.26 line we target)::
+``"flash_attn"`` (the default here; FlashAttention in some vLLM releases)::
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   kv_cache[0] = K, kv_cache[1] = V
 
-``"blocks_first"`` (FlashInfer and TRITON_ATTN, and FlashAttention in later vLLM releases, which
-unbind dimension 1)::
+``"blocks_first"`` (FlashInfer / TRITON_ATTN in some vLLM releases, which unbind dimension 1)::
 
     kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   kv_cache[:, 0] = K, kv_cache[:, 1] = V
 
 or any callable ``layout(kv_cache) -> (k, v)`` that returns two strided views
-``[num_blocks, block_size, num_kv_heads, head_dim]``. Only strides are used, so caches that vLLM
+``[num_blocks, block_size, num_kv_heads, head_dim]`` -- vLLM 0.26.0 packs K and V as
+``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, read by
+``vllm_moa.integration.compat.packed_kv_layout``. Only strides are used, so caches that vLLM
 allocates in another physical order and permutes back to the logical shape (``HND`` stride
 orders) work unchanged. Verify the layout against the installed vLLM's
 ``AttentionBackend.get_kv_cache_shape`` before relying on it; fp8 KV caches are not supported.
