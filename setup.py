@@ -20,10 +20,15 @@ CORE_REQUIRES = [
     "triton>=3.0; platform_system == 'Linux'",
 ]
 
+# client-server deployment (vllm_moa/serving): `vllm-moa serve` / `vllm-moa client`
+SERVE_REQUIRES = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "numpy"]
+
 EXTRAS = {
     "vllm": ["vllm>=0.26,<0.27"],  # the series vllm_moa/integration/compat.py supports
     "ray": ["ray[train]>=2.40"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7"],
+    "serve": SERVE_REQUIRES,
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
+             *SERVE_REQUIRES, "schemathesis>=4.0"],
 }
 
 packages = find_packages(include=["vllm_moa", "vllm_moa.*"])

@@ -9,7 +9,8 @@ Prompts: held-out stdlib files (vllm_moa/assets/demo/heldout_prompts.json), or a
 jsonl given with --prompts. For each prompt, plain decoding and every configuration run back to
 back in the same process (so a noisy neighbour slows both), and every output is checked equal to
 plain greedy decoding. Reports acceptance length, per-position acceptance, tokens/s and the
-speedup over plain decoding (ratio of total times). Writes JSON with provenance and a PNG plot to
+speedup over plain decoding (total plain time / total speculative time, each configuration
+paired with its own plain runs; the per-prompt median ratio too). Writes JSON with provenance and a PNG plot to
 benchmarks/results/. --profile adds a cProfile of one MoA run: where the time goes.
 """
 
@@ -21,6 +22,7 @@ import io
 import json
 import platform
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -87,21 +89,28 @@ def main() -> None:
     for engine in engines.values():
         engine.generate([prompts[0]], 8)
 
-    plain_seconds, plain_tokens = 0.0, 0
+    # every configuration is timed right after its own plain run on the same prompt, so a noisy
+    # neighbour on the machine slows both sides of each ratio alike
     runs = {key: [] for key in engines}
     seconds = {key: 0.0 for key in engines}
+    plain_seconds = {key: 0.0 for key in engines}
+    ratios = {key: [] for key in engines}
+    plain_total, plain_tokens = 0.0, 0
     for ids in tqdm(prompts, desc="prompts"):
-        plain = plain_greedy_generate(target, ids, args.max_new_tokens)
-        plain_seconds += plain.seconds
-        plain_tokens += len(plain.token_ids)
         for key, engine in engines.items():
+            plain = plain_greedy_generate(target, ids, args.max_new_tokens)
             started = time.perf_counter()
             result = engine.generate([ids], args.max_new_tokens)[0]
-            seconds[key] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
             assert result.token_ids == plain.token_ids, f"{key}: output differs from plain greedy decoding"
             runs[key].append(result)
+            seconds[key] += elapsed
+            plain_seconds[key] += plain.seconds
+            ratios[key].append(plain.seconds / elapsed)
+            plain_total += plain.seconds
+            plain_tokens += len(plain.token_ids)
 
-    plain_tok_s = plain_tokens / plain_seconds
+    plain_tok_s = plain_tokens / plain_total
     rows = []
     for (name, shape_name), results in runs.items():
         spec = configs[shape_name]
@@ -109,7 +118,10 @@ def main() -> None:
         rows.append({
             "drafter": name, "draft": shape_name, "acceptance_length": round(summary["acceptance_length"], 3),
             "acceptance_by_position": [round(x, 3) for x in summary["acceptance_by_position"]],
-            "tokens_per_s": round(summary["tokens_per_s"], 1), "speedup": round(summary["tokens_per_s"] / plain_tok_s, 3),
+            "tokens_per_s": round(summary["tokens_per_s"], 1),
+            "plain_tokens_per_s_paired": round(summary["tokens"] / plain_seconds[(name, shape_name)], 1),
+            "speedup": round(plain_seconds[(name, shape_name)] / seconds[(name, shape_name)], 3),
+            "speedup_median_per_prompt": round(statistics.median(ratios[(name, shape_name)]), 3),
             "drafter_share": round(summary["drafter_share"], 3), "target_forwards": summary["target_forwards"],
         })
     best = {name: max((r for r in rows if r["drafter"] == name), key=lambda r: r["speedup"]) for name in args.drafters}
@@ -120,6 +132,7 @@ def main() -> None:
         "prompts": source, "num_prompts": len(prompts), "prompt_tokens_max": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "batch": 1, "decoding": "greedy (outputs checked equal to plain)",
         "plain_tokens_per_s": round(plain_tok_s, 1),
+        "timing": "each configuration's run follows a plain run on the same prompt; speedup = paired time ratio",
         "rows": rows,
         "best_per_drafter": {k: {"draft": v["draft"], "speedup": v["speedup"], "acceptance_length": v["acceptance_length"]}
                              for k, v in best.items()},

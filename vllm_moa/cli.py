@@ -20,7 +20,7 @@ def _fail(message: str) -> None:
 @app.command()
 def demo(
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
-    num_draft: int = typer.Option(4, help="Draft chain length K per target forward."),
+    chain: Optional[int] = typer.Option(None, help="Draft a chain of K tokens (default: the EAGLE-2 tree, depth 5, top-k 4, budget 16)."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out stdlib file)."),
     drafter: str = typer.Option("moa-tli0", help="Shipped MoA drafter: moa-tli0 | moa-tli1."),
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
@@ -30,7 +30,8 @@ def demo(
     from vllm_moa.demo import run_demo
 
     try:
-        result = run_demo(max_new_tokens=max_new_tokens, num_draft=num_draft, prompt=prompt, drafter=drafter)
+        spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0)
+        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
     if json_output:
@@ -43,7 +44,7 @@ def demo(
     typer.echo("-----")
     typer.echo(f"tokens generated        : {result['new_tokens']} (identical to plain greedy decoding)")
     typer.echo(f"drafter                 : {result['drafter']} (models in {result['models']})")
-    typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward (K={num_draft})")
+    typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward ({result['draft']})")
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
     typer.echo(f"plain decoding tokens/s : {result['plain_tokens_per_s']:.1f}")
     typer.echo(f"speedup over plain      : {result['speedup']:.2f}x (drafter share of time {result['drafter_time_share']:.0%})")
@@ -218,6 +219,12 @@ def train(
         _fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"drafter written to {output_dir / 'drafter'}")
+
+
+# `vllm-moa serve` / `vllm-moa client` (client-server deployment; vllm_moa/serving/cli.py)
+from vllm_moa.serving.cli import register as _register_serving  # noqa: E402
+
+_register_serving(app)
 
 
 def main() -> None:  # pragma: no cover

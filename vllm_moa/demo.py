@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_moa.decoding.tree import DraftSpec
 
 SHIPPED = Path(__file__).parent / "assets" / "demo"
 
@@ -30,12 +34,14 @@ def demo_models(drafter: str = "moa-tli0") -> tuple[Path, Path, list[str]]:
     return SHIPPED / "target", SHIPPED / drafter, prompts
 
 
-def run_demo(max_new_tokens: int = 128, num_draft: int = 4, prompt: str | None = None,
+def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: str | None = None,
              drafter: str = "moa-tli0", repeats: int = 3) -> dict:
-    """Generate with MoA speculative decoding and with plain decoding; return what was measured."""
+    """Generate with MoA speculative decoding (default: the EAGLE-2 tree of vllm_moa.api) and with
+    plain decoding; return what was measured."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
+    from vllm_moa.api import DEFAULT_TREE
+    from vllm_moa.decoding.chain import plain_greedy_generate, speculative_generate
     from vllm_moa.models import MoADrafter
     from vllm_moa.target import TargetModel
 
@@ -44,30 +50,31 @@ def run_demo(max_new_tokens: int = 128, num_draft: int = 4, prompt: str | None =
     target = TargetModel.from_pretrained(target_dir)
     target.name = json.loads((drafter_dir / "config.json").read_text())["target"]["name"]
     model = MoADrafter.from_pretrained(drafter_dir, target).eval()
+    spec = spec or DEFAULT_TREE
     prompt = prompt if prompt is not None else prompts[0]
     prompt_ids = tokenizer(prompt)["input_ids"]
     if not prompt_ids:
         raise ValueError("prompt is empty after tokenisation")
     plain_greedy_generate(target, prompt_ids, 8)  # warm-up
     # alternate the two and keep the best time of each: robust to other load on the machine
-    plains, specs = [], []
+    plains, runs = [], []
     for _ in range(repeats):
         plains.append(plain_greedy_generate(target, prompt_ids, max_new_tokens))
-        specs.append(speculative_greedy_generate(target, model, prompt_ids, max_new_tokens, num_draft=num_draft))
+        runs.append(speculative_generate(target, model, prompt_ids, max_new_tokens, spec=spec))
     plain = min(plains, key=lambda r: r.seconds)
-    spec = min(specs, key=lambda r: r.seconds)
-    if spec.token_ids != plain.token_ids:
+    best = min(runs, key=lambda r: r.seconds)
+    if best.token_ids != plain.token_ids:
         raise AssertionError("speculative output differs from greedy decoding: this is a bug, please report it")
     return {
         "prompt": prompt,
-        "text": tokenizer.decode(spec.token_ids),
-        "new_tokens": len(spec.token_ids),
-        "acceptance_length": spec.acceptance_length,
-        "num_draft": num_draft,
+        "text": tokenizer.decode(best.token_ids),
+        "new_tokens": len(best.token_ids),
+        "acceptance_length": best.acceptance_length,
+        "draft": spec.describe(),
         "drafter": drafter,
-        "speculative_tokens_per_s": spec.tokens_per_second,
+        "speculative_tokens_per_s": best.tokens_per_second,
         "plain_tokens_per_s": plain.tokens_per_second,
-        "speedup": plain.seconds / spec.seconds,
-        "drafter_time_share": spec.drafter_seconds / spec.seconds,
+        "speedup": plain.seconds / best.seconds,
+        "drafter_time_share": best.drafter_seconds / best.seconds,
         "models": str(target_dir.parent),
     }

@@ -89,7 +89,7 @@ class CrossAttentionBlock(nn.Module):
         k, v = self.attn.keys_values(self.row_norm(rows))
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, hidden: Tensor, positions: Tensor, row_k: Tensor, row_v: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, positions: Tensor, row_k: Tensor, row_v: Tensor, mask: Tensor | None) -> Tensor:
         """hidden [B, T, E] (SA output) at positions [B, T]; mask [B, 1, T, S] -> [B, T, E]"""
         cos, sin = self.rotary(positions, hidden.dtype)
         q = apply_rotary(self.attn.queries(self.query_norm(hidden)), cos, sin)
@@ -245,8 +245,11 @@ class MoADrafter(Drafter):
         else:
             sa_mask = torch.cat([torch.ones(n, num_rows, dtype=torch.bool, device=device), visible], dim=-1)[None, None]
         hidden = self.sa(target.embed(input_ids), positions, sa_mask, state.sa)
-        row_pos = torch.arange(num_rows, device=device)
-        ca_mask = (row_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, n, R]: j <= position
+        if start >= num_rows:  # drafting past the verified prefix: every row is visible (no mask)
+            ca_mask = None
+        else:
+            row_pos = torch.arange(num_rows, device=device)
+            ca_mask = (row_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, n, R]: j <= position
         feature = self._head(self.ca(hidden, positions, state.row_k, state.row_v, ca_mask))
         if self.tli == 0:
             return target.lm_head(feature)

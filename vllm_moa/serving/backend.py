@@ -1,0 +1,411 @@
+"""Target backends: where the server's target runs. One interface, two implementations:
+
+* `TransformersBackend` (the default; CPU or one GPU): one `SlotKVCache` per session, draft trees
+  verified with the runtime's own primitives (decoding/tree.verification_inputs, verify.py
+  greedy_accept / sampled_accept, SlotKVCache.commit), so the server accepts exactly what the local
+  engine would. For MoA clients it holds the drafter's LSA/Ekv2E weights only to turn the target's
+  per-layer K/V of newly verified tokens into Ekv2E rows (`MoADrafter.rows_from_kv`): one E-wide
+  row per token instead of 2*L*Ekv raw K/V values.
+* `VLLMBackend`: declared, not available yet (needs the vLLM plugin to expose per-request tree
+  verification and per-layer K/V of accepted tokens); refuses with a clear error.
+
+Target forwards are serialised by one lock (one forward at a time; requests of many sessions
+interleave round by round). Errors meant for the client are `BackendError`s carrying an HTTP status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vllm_moa.config import DrafterTargetMismatch, TargetSignature
+from vllm_moa.decoding.cache import SlotKVCache
+from vllm_moa.decoding.sampling import SamplingParams, sample
+from vllm_moa.decoding.tree import DraftTree, verification_inputs
+from vllm_moa.decoding.verify import greedy_accept, sampled_accept
+from vllm_moa.models import Drafter, EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.serving.payload import encode
+from vllm_moa.serving.protocol import (
+    DrafterInfo,
+    GenerateRequest,
+    OpenRequest,
+    OpenResponse,
+    SamplingOptions,
+    SyncPayload,
+    VerifyRequest,
+    VerifyResponse,
+)
+from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput
+
+
+class BackendError(ValueError):
+    """A request the backend refuses; `status` is the HTTP status the server answers with."""
+
+    status = 400
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class Conflict(BackendError):
+    """The request contradicts the session's state (stale position, other root, other target)."""
+
+    status = 409
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot run here (missing package, not implemented yet)."""
+
+
+def lsa_fingerprint(drafter: MoADrafter) -> str:
+    """sha256 of the LSA + Ekv2E weights (bf16-rounded, so fp16/fp32 copies agree) and TLI: what
+    must be identical on client and server for server-made rows to mean the same to the drafter."""
+    digest = hashlib.sha256(f"tli={drafter.tli};".encode())
+    for name, weight in sorted(drafter.lsa.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(weight.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def drafter_kind(drafter: Drafter | str) -> str:
+    if drafter == "ngram":
+        return "ngram"
+    for cls, kind in ((MoADrafter, "moa"), (EagleDrafter, "eagle"), (IndependentDrafter, "independent")):
+        if isinstance(drafter, cls):
+            return kind
+    raise TypeError(f"not a drafter: {type(drafter).__name__}")
+
+
+@dataclass
+class BackendSession:
+    """One sequence on the server. tokens: what the target has run (== cache length); pending:
+    its latest choice, the next round's root."""
+
+    tokens: list[int]
+    pending: int
+    kind: str  # sync payload kind: moa | eagle | none
+    encoding: str
+    sampling: SamplingParams | None
+    generator: torch.Generator | None
+    drafter: MoADrafter | None = None
+    cache: SlotKVCache | None = None
+    last_request: tuple | None = None
+    last_response: VerifyResponse | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TargetBackend(ABC):
+    """What the server needs from wherever the target runs."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def signature(self) -> TargetSignature: ...
+
+    @property
+    @abstractmethod
+    def context_window(self) -> int | None: ...
+
+    @abstractmethod
+    def drafters(self) -> list[DrafterInfo]: ...
+
+    @abstractmethod
+    def open(self, request: OpenRequest) -> tuple[BackendSession, OpenResponse]: ...
+
+    @abstractmethod
+    def verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse: ...
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> Iterator[int]:
+        """Plain decoding, one token at a time (the "API call" baseline)."""
+
+    def close(self, session: BackendSession) -> None:
+        session.cache = None
+
+
+class TransformersBackend(TargetBackend):
+    name = "transformers"
+
+    def __init__(self, target: TargetModel, drafters: dict[str, Drafter] | None = None,
+                 min_forward_ms: float = 0.0) -> None:
+        self.target = target
+        self.lock = threading.Lock()
+        # benchmarks: every target forward takes at least this long, as a larger memory-bound target
+        # would (its cost then barely depends on how many tokens it verifies)
+        self.min_forward_s = max(0.0, min_forward_ms) / 1e3
+        self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, generates
+        self._served: list[tuple[DrafterInfo, MoADrafter | None]] = []
+        for name, drafter in (drafters or {}).items():
+            drafter.config.target_signature.check_compatible(target.signature)
+            kind = drafter_kind(drafter)
+            if isinstance(drafter, MoADrafter):
+                drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+                info = DrafterInfo(name=name, kind="moa", tli=drafter.tli, lsa_fingerprint=lsa_fingerprint(drafter))
+                self._served.append((info, drafter))
+            else:
+                self._served.append((DrafterInfo(name=name, kind=kind), None))
+        config = getattr(target.hf_model, "config", None)
+        self._context = getattr(config, "max_position_embeddings", None)
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        target_name: str | None = None, min_forward_ms: float = 0.0) -> "TransformersBackend":
+        from vllm_moa.models import load_drafter
+
+        target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
+        if target_name:
+            target.name = target_name
+        drafters = {name: load_drafter(path, target).eval() for name, path in (drafter_dirs or {}).items()}
+        return cls(target, drafters, min_forward_ms)
+
+    # -- description --------------------------------------------------------------------------
+    @property
+    def signature(self) -> TargetSignature:
+        return self.target.signature
+
+    @property
+    def context_window(self) -> int | None:
+        return self._context
+
+    def drafters(self) -> list[DrafterInfo]:
+        return [info for info, _ in self._served]
+
+    # -- sessions -------------------------------------------------------------------------------
+    def open(self, request: OpenRequest) -> tuple[BackendSession, OpenResponse]:
+        started = time.perf_counter()
+        decl = request.drafter
+        self._check_tokens(request.prompt, "prompt")
+        if request.pending is not None:
+            self._check_tokens([request.pending], "pending")
+        if self._context is not None and len(request.prompt) >= self._context:
+            raise BackendError(f"prompt has {len(request.prompt)} tokens; the target's context window is "
+                               f"{self._context}")
+        if request.sync_from > len(request.prompt):
+            raise BackendError(f"sync_from={request.sync_from} is past the prompt's {len(request.prompt)} tokens")
+        if decl.target is not None:
+            try:
+                TargetSignature(**decl.target.model_dump()).check_compatible(self.target.signature)
+            except DrafterTargetMismatch as err:
+                raise Conflict(f"the client's drafter does not match this server's target: {err}") from None
+        served = None
+        if decl.kind == "moa":
+            served = self._find_moa(decl.lsa_fingerprint, decl.tli)
+        sampling = _sampling(request.sampling)
+        generator = None
+        if sampling is not None:
+            generator = torch.Generator(device=self.target.device)
+            if request.sampling.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(request.sampling.seed)
+        session = BackendSession(
+            tokens=list(request.prompt), pending=-1, kind={"moa": "moa", "eagle": "eagle"}.get(decl.kind, "none"),
+            encoding=request.encoding, sampling=sampling, generator=generator, drafter=served,
+            cache=SlotKVCache(self.target.num_layers, [0]),
+        )
+        n = len(request.prompt)
+        device = self.target.device
+        tree = DraftTree.chain(request.prompt[0], request.prompt[1:], device, fed=0)
+        with self.lock, torch.no_grad():
+            out = self._forward(session.cache, tree)
+            session.cache.commit(0, list(range(n)))
+            if request.pending is not None:
+                first = request.pending
+            else:
+                first = self._pick(session, out.logits[0, n - 1 : n])
+            sync = self._sync(session, out, list(range(request.sync_from, n)), request.sync_from)
+        session.pending = first
+        self.counters["opens"] += 1
+        return session, OpenResponse(session_id="", length=n, first_token=first, sync=sync, idle_ttl_s=0.0,
+                                     server_ms=1e3 * (time.perf_counter() - started))
+
+    def verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
+        with session.lock:
+            return self._verify(session, request)
+
+    def _verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
+        started = time.perf_counter()
+        tokens, parents = request.tree.tokens, request.tree.parents
+        key = (request.seq, tuple(tokens), tuple(parents))
+        if session.last_request == key and session.last_response is not None:
+            self.counters["replays"] += 1
+            return session.last_response.model_copy(update={"replayed": True})
+        self._check_tokens(tokens, "tree")
+        seq, have = request.seq, len(session.tokens)
+        if seq > have:
+            raise Conflict(f"seq={seq} is ahead of this session: the target has run {have} tokens; reopen the session")
+        root = session.pending if seq == have else session.tokens[seq]
+        if tokens[0] != root:
+            raise Conflict(f"the tree's root token {tokens[0]} at position {seq} is not the target's token there "
+                           f"({root}); reopen the session with the verified prefix")
+        depths = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depths[i] = depths[parents[i]] + 1
+        if self._context is not None and seq + max(depths) >= self._context:
+            raise BackendError(f"a draft of depth {max(depths)} at position {seq} runs past the target's context "
+                               f"window ({self._context})")
+        device = self.target.device
+        tree = DraftTree(torch.tensor(tokens, device=device), list(parents), depths, [-1] * len(tokens))
+        with self.lock, torch.no_grad():
+            if session.cache is None:
+                raise Conflict("session is closed")
+            if seq < have:  # cut back to the client's position: the root is the token the target had there
+                session.tokens, session.pending = session.tokens[:seq], root
+                session.cache.lengths[0] = seq
+                self.counters["rewinds"] += 1
+            self.counters["verifies"] += 1
+            out = self._forward(session.cache, tree)
+            logits = out.logits[0, : tree.size]  # [N, V]
+            if session.sampling is None:
+                path, nxt = greedy_accept(tree, logits)
+            else:
+                path, nxt = sampled_accept(tree, session.sampling.probs(logits), session.generator)
+            session.cache.commit(0, path)
+            sync = self._sync(session, out, path, seq)
+            accepted = [tokens[i] for i in path]
+            session.tokens.extend(accepted)
+            session.pending = nxt
+        response = VerifyResponse(seq=len(session.tokens), path=path, accepted=accepted[1:], next_token=nxt,
+                                  sync=sync, server_ms=1e3 * (time.perf_counter() - started))
+        session.last_request, session.last_response = key, response
+        return response
+
+    def generate(self, request: GenerateRequest) -> Iterator[int]:
+        """Plain decoding with the same functional target; the lock is taken per token so that
+        sessions of other clients keep being served while a long generation streams."""
+        self._check_tokens(request.prompt, "prompt")
+        if self._context is not None and len(request.prompt) + request.max_tokens > self._context:
+            raise BackendError(f"prompt ({len(request.prompt)} tokens) + max_tokens={request.max_tokens} exceeds "
+                               f"the target's context window ({self._context})")
+        return self._generate(request)
+
+    def _generate(self, request: GenerateRequest) -> Iterator[int]:
+        self.counters["generates"] += 1
+        sampling = _sampling(request.sampling)
+        generator = None
+        if sampling is not None:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(request.sampling.seed) if request.sampling.seed is not None else generator.seed()
+        cache = TargetKVCache()
+        ids = torch.tensor([request.prompt], device=self.target.device)
+        for _ in range(request.max_tokens):
+            with self.lock, torch.no_grad():
+                started = time.perf_counter()
+                logits = self.target(ids, cache).logits[:, -1]  # [1, V]
+                self._floor(started)
+                token = int(logits.argmax(-1)) if sampling is None else int(sample(sampling.probs(logits), generator))
+            yield token
+            if token == request.eos_token_id:
+                return
+            ids = torch.tensor([[token]], device=self.target.device)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        vocab = self.target.vocab_size
+        bad = next((t for t in tokens if t >= vocab), None)
+        if bad is not None:
+            raise BackendError(f"{what} has token id {bad} outside the target's vocabulary [0, {vocab})")
+
+    def _find_moa(self, fingerprint: str | None, tli: int) -> MoADrafter:
+        for info, module in self._served:
+            if info.kind == "moa" and info.lsa_fingerprint == fingerprint and info.tli == tli:
+                return module
+        held = ", ".join(f"{i.name} (tli={i.tli}, lsa {i.lsa_fingerprint})" for i, _ in self._served if i.kind == "moa")
+        raise Conflict(f"this server holds no MoA drafter with LSA weights {fingerprint} and TLI={tli} "
+                       f"(it serves: {held or 'no MoA drafter'}); start the server with your drafter (--drafter)")
+
+    def _forward(self, cache: SlotKVCache, tree: DraftTree) -> TargetOutput:
+        """One target forward over the tree's nodes after the cache: logits [1, N, V], per-layer K/V."""
+        device = self.target.device
+        started = time.perf_counter()
+        width = cache.begin_round(tree.size, device)
+        ids, positions, mask = verification_inputs([tree], cache.lengths, width, device)
+        out = self.target(ids, cache, positions, mask)
+        self._floor(started)
+        return out
+
+    def _floor(self, started: float) -> None:
+        if self.min_forward_s:
+            time.sleep(max(0.0, self.min_forward_s - (time.perf_counter() - started)))
+
+    def _pick(self, session: BackendSession, logits: Tensor) -> int:
+        """logits [1, V] -> the target's token."""
+        if session.sampling is None:
+            return int(logits.argmax(-1))
+        return int(sample(session.sampling.probs(logits), session.generator))
+
+    def _sync(self, session: BackendSession, out: TargetOutput, nodes: list[int], start: int) -> SyncPayload:
+        """The client drafter's inputs for the forward's `nodes` (in order), at positions start.."""
+        payload = SyncPayload(start=start, count=len(nodes))
+        if not nodes or session.kind == "none":
+            return payload
+        index = torch.tensor(nodes, device=out.logits.device)
+        if session.kind == "eagle":
+            payload.hidden = encode(out.hidden_states[-1][0].index_select(0, index), session.encoding)  # [n, E]
+            return payload
+        drafter = session.drafter
+        keys = [k.index_select(2, index) for k in out.keys]  # L x [1, H_kv, n, d]
+        values = [v.index_select(2, index) for v in out.values]
+        payload.rows = encode(drafter.rows_from_kv(keys, values)[0], session.encoding)  # [n, E]
+        if drafter.tli > 0:
+            first = len(keys) - drafter.tli
+            payload.tli_keys = encode(torch.cat(keys[first:], dim=0), session.encoding)  # [tli, H_kv, n, d]
+            payload.tli_values = encode(torch.cat(values[first:], dim=0), session.encoding)
+        return payload
+
+
+class VLLMBackend(TargetBackend):
+    """The target on vLLM (GPU). Not available yet: the server needs, per session, to verify a
+    client's draft tree and to read the per-layer K/V of the accepted tokens; the vLLM plugin
+    (vllm_moa.integration) does not expose that to an external server yet."""
+
+    name = "vllm"
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise BackendUnavailable(
+            "the vLLM target backend is not available yet: it needs the vLLM plugin (vllm_moa.integration) to "
+            "verify a client's draft tree per session and return the accepted tokens' per-layer K/V. "
+            "Use --backend transformers (CPU or one GPU: --device cuda)."
+        )
+
+    @property
+    def signature(self) -> TargetSignature:  # pragma: no cover - never constructed
+        raise NotImplementedError
+
+    @property
+    def context_window(self) -> int | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def drafters(self) -> list[DrafterInfo]:  # pragma: no cover
+        raise NotImplementedError
+
+    def open(self, request):  # pragma: no cover
+        raise NotImplementedError
+
+    def verify(self, session, request):  # pragma: no cover
+        raise NotImplementedError
+
+    def generate(self, request):  # pragma: no cover
+        raise NotImplementedError
+
+
+BACKENDS = {"transformers": TransformersBackend, "vllm": VLLMBackend}
+
+
+def _sampling(options: SamplingOptions) -> SamplingParams | None:
+    if options.temperature == 0:
+        return None
+    return SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)

@@ -1,0 +1,586 @@
+"""The client: drafts on this device, has the server's target verify, streams the tokens, and
+keeps generating when the connection is gone.
+
+    client = RemoteDraftingClient("http://server:8000", drafter, target, token=...)
+    for event in client.stream(prompt_ids, max_tokens=128):      # StreamEvent
+        ...                                                       # verified / unverified / rollback
+    result = client.generate(prompt_ids, 128)                     # ClientResult
+
+One round: the local drafter proposes a chain (or an EAGLE-2 tree) from the verified state, the
+server verifies it (one HTTP call) and returns the accepted tokens, its own next token and the
+drafter-sync payload, which rolls the local drafter forward (serving/local.py). The draft depth
+follows the measured round-trip time and acceptance (serving/adaptive.py).
+
+Lost connection (timeout, refused, reset, truncated response, 5xx): the client goes offline and
+keeps drafting alone, emitting `unverified` tokens, retrying with exponential backoff (jittered,
+seeded). Back online it verifies the unverified tail in chunks of at most the server's
+max_draft_nodes; at the first rejected token it emits `rollback` and continues from the target's
+token. A verify that reached the server but whose answer was lost is harmless: requests name
+their position (`seq`) and the server answers from there (protocol.py). A session the server no
+longer has (404: expired, restarted; 409: out of step) is reopened with the verified prefix.
+
+Greedy output is the target's greedy output, nothing lost or duplicated; `ClientResult` says how
+many leading tokens the target verified (unverified ones can remain only when the server stayed
+unreachable for `give_up_after_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+import torch
+from pydantic import BaseModel, ValidationError
+
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
+from vllm_moa.models import Drafter
+from vllm_moa.serving.adaptive import DraftController
+from vllm_moa.serving.local import LocalSession, decode_sync, open_local, propose
+from vllm_moa.serving.payload import PayloadError
+from vllm_moa.serving.protocol import InfoResponse, OpenResponse, VerifyResponse
+from vllm_moa.target import TargetModel
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached for long enough to start (or finish) a generation."""
+
+
+class RequestRefused(ValueError):
+    """The server refused a request with a 4xx (bad input, auth, limits, mismatched drafter)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"server refused the request ({status}): {message}")
+        self.status, self.message = status, message
+
+
+class ProtocolError(RuntimeError):
+    """The server's answer is inconsistent with the request (a server bug, not a network fault)."""
+
+
+class _Transient(Exception):
+    """A failure the network may have caused: retry."""
+
+
+class _Stale(Exception):
+    """The server no longer has the session as the client knows it: reopen."""
+
+
+@dataclass
+class StreamEvent:
+    """kind = verified:   tokens[start : start+len] are the target's (confirming unverified ones or
+                          appending); unverified: drafted alone, appended at start; rollback: the
+                          tokens from start on are gone; done: `result` is final."""
+
+    kind: Literal["verified", "unverified", "rollback", "done"]
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    result: "ClientResult | None" = None
+
+
+class Transcript:
+    """The output as a consumer of StreamEvents sees it."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.num_verified = 0
+
+    def apply(self, event: StreamEvent) -> None:
+        if event.kind == "rollback":
+            if event.start < self.num_verified:
+                raise ProtocolError("rollback into verified tokens")
+            del self.tokens[event.start:]
+        elif event.kind in ("verified", "unverified"):
+            if event.start > len(self.tokens) or (event.kind == "unverified" and event.start != len(self.tokens)):
+                raise ProtocolError(f"{event.kind} tokens at {event.start} leave a gap after {len(self.tokens)}")
+            end = event.start + len(event.tokens)
+            if event.kind == "verified":
+                if event.start != self.num_verified:
+                    raise ProtocolError(f"verified tokens at {event.start}, expected {self.num_verified}")
+                self.num_verified = end
+            self.tokens[event.start:end] = event.tokens
+
+
+@dataclass
+class ClientResult:
+    token_ids: list[int]
+    num_verified: int  # token_ids[:num_verified] were verified by the target
+    finish_reason: str = "length"  # length | eos | disconnected
+    text: str | None = None
+    seconds: float = 0.0
+    ttft: float = 0.0
+    calls: int = 0  # HTTP requests made (including failed ones)
+    verify_calls: int = 0  # successful verifications
+    bytes_sent: int = 0  # HTTP request bytes (headers + body), as sent by this client
+    bytes_received: int = 0  # HTTP response bytes (headers + body)
+    accepted_per_verify: list[int] = field(default_factory=list)  # path length (root included) per fresh draft
+    drafted_per_verify: list[int] = field(default_factory=list)  # draft depth per fresh draft
+    draft_seconds: float = 0.0
+    server_seconds: float = 0.0  # the server's own time for this generation's calls, as it reports it
+    failures: int = 0  # transient errors
+    disconnects: int = 0  # online -> offline transitions
+    reopens: int = 0  # sessions reopened (404 / 409)
+    offline_tokens: int = 0  # tokens drafted while offline
+    offline_confirmed: int = 0  # of those, confirmed by the target
+    rollbacks: int = 0
+    rolled_back_tokens: int = 0
+
+    @property
+    def verified_mask(self) -> list[bool]:
+        return [i < self.num_verified for i in range(len(self.token_ids))]
+
+    @property
+    def acceptance_length(self) -> float:
+        return sum(self.accepted_per_verify) / max(1, len(self.accepted_per_verify))
+
+
+# -- transport ----------------------------------------------------------------------------------
+class _Transport:
+    """httpx with keep-alive; failures classified as transient (retry), stale (reopen) or refused."""
+
+    def __init__(self, url: str, token: str | None, timeout: float, connect_timeout: float) -> None:
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=connect_timeout))
+        self.calls = self.bytes_sent = self.bytes_received = 0
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _count_request(self, request: httpx.Request, body: bytes) -> None:
+        self.calls += 1
+        line = len(request.method) + len(request.url.raw_path) + 12
+        self.bytes_sent += line + sum(len(k) + len(v) + 4 for k, v in request.headers.raw) + 2 + len(body)
+
+    def _count_response(self, response: httpx.Response, body_bytes: int) -> None:
+        self.bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in response.headers.raw) + 2 + body_bytes
+
+    def call(self, method: str, path: str, body: dict | None, model: type[BaseModel] | None,
+             stale: tuple[int, ...] = ()) -> BaseModel | dict:
+        content = json.dumps(body).encode() if body is not None else b""
+        request = self.http.build_request(method, path, content=content or None)
+        self._count_request(request, content)
+        try:
+            response = self.http.send(request)
+        except httpx.RequestError as err:
+            raise _Transient(f"{type(err).__name__}: {err}") from None
+        self._count_response(response, len(response.content))
+        if response.status_code >= 500:
+            raise _Transient(f"server error {response.status_code}")
+        if response.status_code in stale:
+            raise _Stale(_message(response))
+        if response.status_code >= 400:
+            raise RequestRefused(response.status_code, _message(response))
+        try:
+            return model.model_validate_json(response.content) if model is not None else response.json()
+        except (ValidationError, ValueError) as err:
+            raise _Transient(f"malformed response: {err}") from None
+
+    def stream_lines(self, path: str, body: dict) -> Iterator[dict]:
+        content = json.dumps(body).encode()
+        request = self.http.build_request("POST", path, content=content)
+        self._count_request(request, content)
+        try:
+            response = self.http.send(request, stream=True)
+        except httpx.RequestError as err:
+            raise _Transient(f"{type(err).__name__}: {err}") from None
+        try:
+            if response.status_code >= 400:
+                response.read()
+                self._count_response(response, len(response.content))
+                if response.status_code >= 500:
+                    raise _Transient(f"server error {response.status_code}")
+                raise RequestRefused(response.status_code, _message(response))
+            self._count_response(response, 0)
+            for line in response.iter_lines():
+                self.bytes_received += len(line) + 1
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except ValueError as err:
+                        raise _Transient(f"malformed stream line: {err}") from None
+        except httpx.RequestError as err:
+            raise _Transient(f"{type(err).__name__}: {err}") from None
+        finally:
+            response.close()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("error", response.text))
+    except (ValueError, AttributeError):
+        return response.text[:500]
+
+
+# -- one generation -----------------------------------------------------------------------------
+@dataclass
+class _Run:
+    prompt: list[int]
+    max_tokens: int
+    eos: int | None
+    sampling: SamplingParams | None
+    generator: torch.Generator | None
+    seed: int | None
+    result: ClientResult
+    local: LocalSession | None = None
+    controller: DraftController | None = None
+    out: list[int] = field(default_factory=list)
+    nv: int = 0  # out[:nv] verified; out[nv-1] is the pending token (the target's, not yet run)
+    seq: int = 0  # tokens the target has run = len(prompt) + nv - 1
+    session_id: str | None = None
+    offline: bool = False
+    offline_since: float = 0.0
+    failures: int = 0
+    next_try: float = 0.0
+    stale: int = 0  # consecutive 404/409 answers
+    done: bool = False
+
+
+class RemoteDraftingClient:
+    """Speculative decoding against a verification server (see the module docstring).
+
+    drafter:  a loaded drafter (MoA, EAGLE-style, independent), "ngram", or None for the plain
+              "API call" baseline (/v1/generate, streamed; nothing is produced while disconnected)
+    target:   a local TargetModel for the drafter's shared parts (embedding, LM head, last TLI
+              layers); needed by MoA and EAGLE. Its other layers never run here.
+    num_draft: fixed draft depth, or None to adapt it to round-trip time and acceptance
+    tree_top_k: draft EAGLE-2 trees this wide (depth adaptive) instead of chains
+    """
+
+    def __init__(self, url: str, drafter: Drafter | str | None, target: TargetModel | None = None, *,
+                 token: str | None = None, encoding: str = "fp16", num_draft: int | None = None,
+                 tree_top_k: int | None = None, max_depth: int = 16, timeout: float = 10.0,
+                 connect_timeout: float = 3.0, backoff_s: float = 0.05, backoff_max_s: float = 2.0,
+                 max_unverified: int = 256, offline_chunk: int = 4, give_up_after_s: float = 60.0,
+                 seed: int = 0, tokenizer=None) -> None:
+        if encoding not in ("fp16", "int8"):
+            raise ValueError(f"encoding must be fp16 or int8, got {encoding!r}")
+        if num_draft is not None and num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if tree_top_k is not None and tree_top_k < 1:
+            raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
+        if drafter is not None:
+            open_local(drafter, target)  # refuses a drafter that cannot run here, before any call
+        self.drafter, self.target, self.tokenizer = drafter, target, tokenizer
+        self.encoding, self.num_draft, self.tree_top_k, self.max_depth = encoding, num_draft, tree_top_k, max_depth
+        self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
+        self.max_unverified, self.offline_chunk, self.give_up_after_s = max_unverified, offline_chunk, give_up_after_s
+        self.transport = _Transport(url, token, timeout, connect_timeout)
+        self._rng = random.Random(seed)
+        self._info: InfoResponse | None = None
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "RemoteDraftingClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- public API -----------------------------------------------------------------------------
+    def info(self) -> InfoResponse:
+        """The server's /v1/info (cached), retried until give_up_after_s."""
+        if self._info is None:
+            self._info = self._retrying(lambda: self.transport.call("GET", "/v1/info", None, InfoResponse))
+        return self._info
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128, sampling: SamplingParams | None = None,
+                 seed: int | None = None, eos_token_id: int | None = None,
+                 on_event: Callable[[StreamEvent], None] | None = None) -> ClientResult:
+        for event in self.stream(prompt_ids, max_tokens, sampling, seed, eos_token_id):
+            if on_event is not None:
+                on_event(event)
+            if event.kind == "done":
+                return event.result
+        raise AssertionError("stream ended without a result")  # pragma: no cover
+
+    def stream(self, prompt_ids: Sequence[int], max_tokens: int = 128, sampling: SamplingParams | None = None,
+               seed: int | None = None, eos_token_id: int | None = None) -> Iterator[StreamEvent]:
+        """Events in order; the last is `done` with the ClientResult."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty: give at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        sampling = None if sampling is None or sampling.greedy else sampling
+        generator = None
+        if sampling is not None:
+            generator = torch.Generator().manual_seed(seed if seed is not None else self._rng.randrange(2**62))
+        run = _Run(prompt, max_tokens, eos_token_id, sampling, generator, seed, ClientResult([], 0))
+        started = time.perf_counter()
+        calls0, sent0, received0 = self.transport.calls, self.transport.bytes_sent, self.transport.bytes_received
+        events = self._api_events(run) if self.drafter is None else self._spec_events(run)
+        first = True
+        try:
+            for event in events:
+                if first and event.kind == "verified":
+                    run.result.ttft, first = time.perf_counter() - started, False
+                yield event
+        finally:
+            events.close()
+            result = run.result
+            result.token_ids, result.num_verified = list(run.out), run.nv
+            result.seconds = time.perf_counter() - started
+            result.calls = self.transport.calls - calls0
+            result.bytes_sent = self.transport.bytes_sent - sent0
+            result.bytes_received = self.transport.bytes_received - received0
+            if self.tokenizer is not None:
+                result.text = self.tokenizer.decode(run.out)
+        yield StreamEvent("done", len(run.out), result=run.result)
+
+    # -- speculative generation ---------------------------------------------------------------------
+    def _spec_events(self, run: _Run) -> Iterator[StreamEvent]:
+        info = self.info()
+        context = info.context_window
+        if context is not None and len(run.prompt) + run.max_tokens > context:
+            raise ValueError(f"prompt ({len(run.prompt)} tokens) + max_tokens={run.max_tokens} exceeds the target's "
+                             f"context window ({context})")
+        max_nodes = info.limits.max_draft_nodes
+        run.local = open_local(self.drafter, self.target)
+        top_k = self.tree_top_k
+        max_depth = min(self.max_depth, max_nodes)
+        nodes = (lambda k: min(max_nodes, k * top_k)) if top_k else (lambda k: k)
+        run.controller = DraftController(max_depth, fixed=self.num_draft, nodes=nodes)
+        try:
+            first = self._retrying(lambda: self._open(run))
+            yield from self._diff(run, [], 0, [first], 1)
+            while not run.done:
+                if run.offline and time.monotonic() - run.offline_since > self.give_up_after_s:
+                    run.result.finish_reason = "disconnected"
+                    return
+                if run.offline and time.monotonic() < run.next_try:
+                    event = self._offline_step(run)
+                    if event is not None:
+                        yield event
+                    else:
+                        time.sleep(max(0.0, min(run.next_try - time.monotonic(), 0.25)))
+                    continue
+                yield from self._online_step(run, max_nodes, context)
+        finally:
+            self._close_session(run)
+
+    def _open(self, run: _Run) -> int:
+        body = {"prompt": run.prompt, "drafter": run.local.declaration().model_dump(), "encoding": self.encoding,
+                "sampling": self._sampling_body(run)}
+        response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
+        run.result.server_seconds += response.server_ms / 1e3
+        sync = self._decode(response.sync, 0, len(run.prompt))
+        run.local.start(run.prompt, sync)
+        run.session_id, run.seq = response.session_id, response.length
+        if run.seq != len(run.prompt):
+            raise ProtocolError(f"server ran {run.seq} prompt tokens, the prompt has {len(run.prompt)}")
+        return response.first_token
+
+    def _reopen(self, run: _Run) -> None:
+        """The server lost the session (or we are out of step): open one at our verified prefix."""
+        self._close_session(run)
+        prefix = run.prompt + run.out[: run.nv - 1]
+        body = {"prompt": prefix, "pending": run.out[run.nv - 1], "sync_from": run.seq,
+                "drafter": run.local.declaration().model_dump(), "encoding": self.encoding,
+                "sampling": self._sampling_body(run, salt=run.result.reopens + 1)}
+        response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
+        if response.length != run.seq or response.first_token != run.out[run.nv - 1] or response.sync.count:
+            raise ProtocolError("reopened session does not match the client's verified prefix")
+        run.session_id = response.session_id
+        run.result.reopens += 1
+
+    def _close_session(self, run: _Run) -> None:
+        if run.session_id is None:
+            return
+        session_id, run.session_id = run.session_id, None
+        if run.offline:
+            return  # the server expires it (idle TTL); do not wait on a dead link
+        try:
+            self.transport.call("DELETE", f"/v1/sessions/{session_id}", None, None, stale=(404,))
+        except (_Transient, _Stale, RequestRefused):
+            pass
+
+    def _sampling_body(self, run: _Run, salt: int = 0) -> dict:
+        if run.sampling is None:
+            return {"temperature": 0.0}
+        seed = None if run.seed is None else (run.seed * 1_000_003 + salt) % 2**62
+        return {"temperature": run.sampling.temperature, "top_k": run.sampling.top_k, "top_p": run.sampling.top_p,
+                "seed": seed}
+
+    def _decode(self, sync, start: int, count: int):
+        if sync.start != start or sync.count != count:
+            raise ProtocolError(f"sync payload covers {sync.start}+{sync.count}, expected {start}+{count}")
+        try:
+            return decode_sync(sync, self.target.dtype if self.target is not None else torch.float32,
+                               self.target.device if self.target is not None else torch.device("cpu"))
+        except PayloadError as err:
+            raise ProtocolError(f"undecodable sync payload: {err}") from None
+
+    def _online_step(self, run: _Run, max_nodes: int, context: int | None) -> Iterator[StreamEvent]:
+        pending, tail = run.out[run.nv - 1], run.out[run.nv:]
+        room = max_nodes if context is None else max(0, min(max_nodes, context - 1 - run.seq))
+        draft_s = None
+        if tail:  # resync: the unverified tail, at most `room` of it
+            run.local.begin()
+            tree = DraftTree.chain(pending, tail[:room], fed=0) if room else DraftTree.single(pending)
+        else:
+            depth = min(run.controller.choose(limit=run.max_tokens - run.nv), room)
+            t0 = time.perf_counter()
+            if depth == 0:
+                run.local.begin()
+                tree = DraftTree.single(pending)
+            elif self.tree_top_k:
+                spec = DraftSpec.tree(depth, self.tree_top_k, budget=min(max_nodes, depth * self.tree_top_k))
+                tree = propose(run.local, pending, spec)
+            else:
+                tree = propose(run.local, pending, DraftSpec.chain(depth))
+            draft_s = time.perf_counter() - t0
+            run.result.draft_seconds += draft_s
+        body = {"seq": run.seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)}}
+        t0 = time.perf_counter()
+        try:
+            response = self.transport.call("POST", f"/v1/sessions/{run.session_id}/verify", body, VerifyResponse,
+                                           stale=(404, 409))
+        except _Transient:
+            run.local.rollback()
+            self._went_offline(run)
+            return
+        except _Stale as err:
+            run.local.rollback()
+            run.stale += 1
+            if run.stale > 3:
+                raise ProtocolError(f"the server keeps refusing a freshly reopened session: {err}") from None
+            try:
+                self._reopen(run)
+            except _Transient:
+                self._went_offline(run)
+            return
+        wall = time.perf_counter() - t0
+        run.offline, run.failures, run.stale = False, 0, 0
+        yield from self._accept(run, tree, response, fresh=not tail, wall=wall, draft_s=draft_s)
+
+    def _accept(self, run: _Run, tree: DraftTree, response: VerifyResponse, fresh: bool, wall: float,
+                draft_s: float | None) -> Iterator[StreamEvent]:
+        tokens, path = tree.tokens.tolist(), response.path
+        if (not path or path[0] != 0 or any(not 0 < n < len(tokens) for n in path[1:])
+                or any(tree.parents[b] != a for a, b in zip(path, path[1:]))
+                or response.accepted != [tokens[n] for n in path[1:]] or response.seq != run.seq + len(path)):
+            raise ProtocolError(f"verify response does not fit the draft: path {path}, seq {response.seq}")
+        sync = self._decode(response.sync, run.seq, len(path))
+        run.local.accept(tree, path, sync)
+        run.seq = response.seq
+        depth = max(tree.depths)
+        result = run.result
+        result.server_seconds += response.server_ms / 1e3
+        result.verify_calls += 1
+        if fresh:
+            result.accepted_per_verify.append(len(path))
+            result.drafted_per_verify.append(depth)
+            run.controller.observe_acceptance(depth, len(path) - 1)
+        run.controller.observe_timing(depth, wall, response.server_ms / 1e3, draft_s)
+        old_out, old_nv = list(run.out), run.nv
+        accepted, nxt = response.accepted, response.next_token
+        if fresh:
+            out, nv = run.out + accepted + [nxt], run.nv + len(accepted) + 1
+        else:
+            nv = run.nv + len(accepted)  # the accepted drafts are the tail's first tokens
+            confirmed = len(accepted)
+            if nv < len(run.out) and run.out[nv] == nxt:  # the target's token is the tail's next one
+                out, nv, confirmed = run.out, nv + 1, confirmed + 1
+            else:  # roll back from the first rejected token, continue from the target's
+                dropped = len(run.out) - nv
+                out, nv = run.out[:nv] + [nxt], nv + 1
+                if dropped:
+                    result.rollbacks += 1
+                    result.rolled_back_tokens += dropped
+            result.offline_confirmed += confirmed
+        yield from self._diff(run, old_out, old_nv, out, nv)
+
+    def _diff(self, run: _Run, old_out: list[int], old_nv: int, out: list[int], nv: int) -> Iterator[StreamEvent]:
+        """Apply the new state (after the stop rules) and emit the events that lead there."""
+        new = out[old_nv:nv]
+        if run.eos is not None and run.eos in new:
+            cut = old_nv + new.index(run.eos) + 1
+            out, nv = out[:cut], cut
+            run.done, run.result.finish_reason = True, "eos"
+        if nv >= run.max_tokens:
+            out, nv = out[: run.max_tokens], run.max_tokens
+            run.done, run.result.finish_reason = True, "length"
+        common = 0
+        limit = min(len(old_out), len(out))
+        while common < limit and old_out[common] == out[common]:
+            common += 1
+        run.out, run.nv = list(out), nv
+        if common < len(old_out):
+            yield StreamEvent("rollback", common)
+        if nv > old_nv:
+            yield StreamEvent("verified", old_nv, out[old_nv:nv])
+
+    def _offline_step(self, run: _Run) -> StreamEvent | None:
+        """Draft a few tokens alone; None when there is nothing (more) to draft."""
+        tail = len(run.out) - run.nv
+        room = min(run.max_tokens - len(run.out), self.max_unverified - tail)
+        if room <= 0 or (tail and run.out[-1] == run.eos):
+            return None
+        t0 = time.perf_counter()
+        new = run.local.draft_ahead(run.out[run.nv - 1:], min(self.offline_chunk, room), run.sampling,
+                                    run.generator, stop_token=run.eos)
+        run.result.draft_seconds += time.perf_counter() - t0
+        if not new:
+            return None
+        start = len(run.out)
+        run.out.extend(new)
+        run.result.offline_tokens += len(new)
+        return StreamEvent("unverified", start, new)
+
+    def _went_offline(self, run: _Run) -> None:
+        run.result.failures += 1
+        run.failures += 1
+        if not run.offline:
+            run.offline, run.offline_since = True, time.monotonic()
+            run.result.disconnects += 1
+        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (run.failures - 1)) * self._rng.uniform(0.75, 1.25)
+        run.next_try = time.monotonic() + delay
+
+    def _retrying(self, call: Callable[[], object]):
+        """Run `call` until it does not fail transiently, with backoff, for give_up_after_s."""
+        deadline = time.monotonic() + self.give_up_after_s
+        failures = 0
+        while True:
+            try:
+                return call()
+            except (_Transient, _Stale) as err:
+                failures += 1
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable(f"server unreachable for {self.give_up_after_s:.0f}s: {err}") from None
+                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1)) * self._rng.uniform(0.75, 1.25)
+                time.sleep(delay)
+
+    # -- the API-call baseline --------------------------------------------------------------------
+    def _api_events(self, run: _Run) -> Iterator[StreamEvent]:
+        """Plain decoding on the server, streamed. A dropped stream is resumed from the tokens
+        received (greedy: exact); while the server is unreachable nothing is produced."""
+        while not run.done:
+            body = {"prompt": run.prompt + run.out, "max_tokens": run.max_tokens - len(run.out), "stream": True,
+                    "eos_token_id": run.eos, "sampling": self._sampling_body(run, salt=run.result.failures)}
+            try:
+                for line in self.transport.stream_lines("/v1/generate", body):
+                    if "tokens" in line:
+                        yield from self._diff(run, list(run.out), run.nv, run.out + list(line["tokens"]),
+                                              run.nv + len(line["tokens"]))
+                    elif line.get("done"):
+                        run.result.server_seconds += float(line.get("server_ms", 0.0)) / 1e3
+                        if not run.done and line.get("finish_reason") == "eos":
+                            run.done, run.result.finish_reason = True, "eos"
+                        run.done = run.done or len(run.out) >= run.max_tokens
+                        break
+                run.offline, run.failures = False, 0
+            except _Transient:
+                self._went_offline(run)
+                if time.monotonic() - run.offline_since > self.give_up_after_s:
+                    run.result.finish_reason = "disconnected"
+                    return
+                time.sleep(max(0.0, run.next_try - time.monotonic()))

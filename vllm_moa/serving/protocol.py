@@ -1,0 +1,218 @@
+"""The wire protocol (JSON over HTTP/1.1 keep-alive; version `PROTOCOL`).
+
+    GET    /v1/health                         liveness (no auth)
+    GET    /v1/info                           target signature, servable drafters, limits
+    POST   /v1/sessions                       OpenRequest   -> OpenResponse   (prefill the prompt)
+    POST   /v1/sessions/{id}/verify           VerifyRequest -> VerifyResponse (one draft tree)
+    DELETE /v1/sessions/{id}                  close
+    POST   /v1/generate                       GenerateRequest -> GenerateResponse, or NDJSON lines
+                                              (stream=true): the plain "API call" baseline
+
+A session is one sequence on the server: the target's KV cache of the tokens it has run
+(`length` of them: the prompt, then verified tokens) and its `pending` token (its own latest
+choice, not yet run). A verify request names the position of its draft's root, `seq`: the client's
+count of tokens the target has run. The server answers deterministically from (seq, tree):
+
+* seq == the server's length: the root must be the pending token; verify, extend.
+* seq <  the server's length (a response was lost, the client drafted on alone and now resyncs an
+  earlier point): the root must be the token the server has at seq; the cache is cut back to seq
+  and the tree verified there. Greedy: the same verified tokens as before, nothing duplicated.
+* the same request as the last one: the stored response is replayed (exact idempotency, also
+  for sampling).
+* seq > the server's length, or a root that contradicts the server's tokens: 409; the client
+  reopens the session with its verified prefix (OpenRequest.pending, .sync_from).
+
+Every request model is strict (no type coercion, no unknown keys) and bounded; the server's
+configured limits (`ServerLimits`) are checked on top, each refusal a 4xx with a message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL = "moa-serve/1"
+
+# Schema ceilings: generous bounds that keep validation itself cheap. The server's configured
+# limits (ServerLimits) are smaller and give clearer messages.
+HARD_MAX_TOKENS = 1 << 16
+HARD_MAX_NODES = 4096
+INT32 = 2**31
+
+TokenId = Annotated[int, Field(ge=0, lt=INT32)]
+Encoding = Literal["fp16", "int8"]
+DrafterKind = Literal["moa", "eagle", "independent", "ngram"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ServerLimits(BaseModel):
+    """What the server accepts; also reported by /v1/info so a client can size its drafts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(1 << 20, ge=256)
+    max_prompt_tokens: int = Field(4096, ge=1, le=HARD_MAX_TOKENS)
+    max_draft_nodes: int = Field(64, ge=1, le=HARD_MAX_NODES - 1)
+    max_new_tokens: int = Field(1024, ge=1, le=HARD_MAX_TOKENS)
+    max_sessions: int = Field(256, ge=1)
+    max_sessions_per_client: int = Field(64, ge=1)
+    session_idle_ttl_s: float = Field(300.0, gt=0)
+    session_max_age_s: float = Field(3600.0, gt=0)
+
+
+class SamplingOptions(_Request):
+    """temperature 0 = greedy (the default). Otherwise the server samples losslessly
+    (decoding/verify.sampled_accept) with its own per-session generator, seeded by `seed`."""
+
+    temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, lt=INT32)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+class SignatureIn(_Request):
+    """vllm_moa.config.TargetSignature: the target a drafter was trained for."""
+
+    architecture: str = Field(max_length=128)
+    num_layers: int = Field(ge=1, lt=INT32)
+    hidden_size: int = Field(ge=1, lt=INT32)
+    num_attention_heads: int = Field(ge=1, lt=INT32)
+    num_kv_heads: int = Field(ge=1, lt=INT32)
+    head_dim: int = Field(ge=1, lt=INT32)
+    vocab_size: int = Field(ge=1, lt=INT32)
+    name: str = Field("", max_length=256)
+    fingerprint: str = Field("", max_length=64)
+
+
+class DrafterDecl(_Request):
+    """The client's drafter. The server refuses one trained for another target (signature), and
+    for MoA serves only LSA weights it holds itself (`lsa_fingerprint`, `tli`)."""
+
+    kind: DrafterKind
+    target: SignatureIn | None = None
+    lsa_fingerprint: str | None = Field(None, max_length=64)
+    tli: int = Field(0, ge=0, le=4096)
+
+    @model_validator(mode="after")
+    def _complete(self) -> "DrafterDecl":
+        if self.kind != "ngram" and self.target is None:
+            raise ValueError(f"a {self.kind} drafter must declare the target signature it was trained for")
+        if self.kind == "moa" and not self.lsa_fingerprint:
+            raise ValueError("a moa drafter must declare lsa_fingerprint (its LSA/Ekv2E weights)")
+        return self
+
+
+class OpenRequest(_Request):
+    prompt: list[TokenId] = Field(min_length=1, max_length=HARD_MAX_TOKENS)
+    drafter: DrafterDecl
+    pending: TokenId | None = None  # reopening: the target's token after `prompt`, already known
+    sync_from: int = Field(0, ge=0, lt=INT32)  # send sync rows from this position (what the client lacks)
+    encoding: Encoding = "fp16"
+    sampling: SamplingOptions = SamplingOptions()
+
+
+class DraftTreeIn(_Request):
+    """Node 0 is the root (the pending token); parents[0] = -1 and 0 <= parents[i] < i."""
+
+    tokens: list[TokenId] = Field(min_length=1, max_length=HARD_MAX_NODES)
+    parents: list[int] = Field(min_length=1, max_length=HARD_MAX_NODES)
+
+    @model_validator(mode="after")
+    def _shape(self) -> "DraftTreeIn":
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        if self.parents[0] != -1:
+            raise ValueError("tree node 0 (the root) must have parent -1")
+        for i, parent in enumerate(self.parents[1:], start=1):
+            if not 0 <= parent < i:
+                raise ValueError(f"tree node {i} has parent {parent}: parents must come before children")
+        return self
+
+
+class VerifyRequest(_Request):
+    seq: int = Field(ge=1, lt=INT32)  # position of the tree's root = tokens the target has run
+    tree: DraftTreeIn
+
+
+class GenerateRequest(_Request):
+    prompt: list[TokenId] = Field(min_length=1, max_length=HARD_MAX_TOKENS)
+    max_tokens: int = Field(ge=1, le=HARD_MAX_TOKENS)
+    sampling: SamplingOptions = SamplingOptions()
+    eos_token_id: TokenId | None = None
+    stream: bool = False
+
+
+# -- responses --------------------------------------------------------------------------------
+class EncodedTensor(BaseModel):
+    """A float tensor on the wire (serving/payload.py)."""
+
+    encoding: Encoding
+    shape: list[Annotated[int, Field(ge=0)]]
+    data: str
+    scale: str | None = None  # int8: fp16 per-row scales
+
+
+class SyncPayload(BaseModel):
+    """What the client's drafter needs from the target for tokens start .. start+count-1.
+
+    MoA:   rows [count, E] (Ekv2E output of LSA over the tokens' per-layer K/V);
+           TLI > 0 also tli_keys / tli_values [tli, H_kv, count, d] (the target's last layers)
+    EAGLE: hidden [count, E] (the target's final post-norm hidden states)
+    independent, n-gram: nothing
+    """
+
+    start: int
+    count: int
+    rows: EncodedTensor | None = None
+    tli_keys: EncodedTensor | None = None
+    tli_values: EncodedTensor | None = None
+    hidden: EncodedTensor | None = None
+
+
+class OpenResponse(BaseModel):
+    session_id: str
+    length: int  # tokens the target has run (the prompt): the next verify's seq
+    first_token: int  # the target's token after the prompt (the given `pending` when reopening)
+    sync: SyncPayload
+    idle_ttl_s: float
+    server_ms: float
+
+
+class VerifyResponse(BaseModel):
+    seq: int  # the new length: the next verify's seq
+    path: list[int]  # accepted node ids, root first
+    accepted: list[int]  # tokens of path[1:]
+    next_token: int  # the target's token after the path: the next root
+    sync: SyncPayload  # for the path's tokens (root included)
+    replayed: bool = False
+    server_ms: float
+
+
+class GenerateResponse(BaseModel):
+    tokens: list[int]
+    finish_reason: Literal["length", "eos"]
+    server_ms: float
+
+
+class DrafterInfo(BaseModel):
+    name: str
+    kind: DrafterKind
+    tli: int = 0
+    lsa_fingerprint: str | None = None
+
+
+class InfoResponse(BaseModel):
+    protocol: str
+    backend: str
+    target: dict
+    context_window: int | None
+    drafters: list[DrafterInfo]
+    limits: ServerLimits
+
+
+class ErrorResponse(BaseModel):
+    error: str
