@@ -65,6 +65,13 @@ class SlotKVCache:
                     buf[row, :, start : start + len(kept)] = buf[row, :, src]
         self.lengths[row] = start + len(kept)
 
+    def rewind(self, row: int, length: int) -> None:
+        """Forget sequence `row`'s tokens from position `length` on (a client that re-syncs from
+        an earlier point); the slots become scratch."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot rewind sequence {row} to {length}: it holds {self.lengths[row]} tokens")
+        self.lengths[row] = length
+
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these sequences (finished ones leave the batch)."""
         if rows == list(range(len(self.lengths))):

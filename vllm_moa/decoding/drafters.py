@@ -57,7 +57,7 @@ class _ModelSession:
         return grow_tree(self._step, pending, spec, sampling, generator, self.device)
 
 
-def _fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
+def fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
     """Feed slots of the accepted nodes the drafter has already run (always a prefix of the path)."""
     slots = []
     for node in path:
@@ -67,7 +67,7 @@ def _fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
     return slots
 
 
-def _keep_index(base: int, slots: list[int], device: torch.device) -> Tensor:
+def keep_index(base: int, slots: list[int], device: torch.device) -> Tensor:
     """Cache positions to keep: the verified prefix 0..base-1, then the accepted fed nodes."""
     return torch.cat([torch.arange(base, device=device), base + torch.tensor(slots, dtype=torch.long, device=device)])
 
@@ -91,11 +91,19 @@ class MoASession(_ModelSession):
         return self.drafter.draft_step(self.state, tokens[None], self.target, positions, visible)[0]
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
-        fed = _fed_prefix(tree, path)
-        self.state.sa.select(_keep_index(self.base, fed, self.device))
-        self.drafter.extend_verified(self.state, verified.keys, verified.values)  # also drops TLI drafts
+        first = len(verified.keys) - self.drafter.tli
+        self.accept_rows(tree, path, self.drafter.rows_from_kv(verified.keys, verified.values),
+                         verified.keys[first:], verified.values[first:])
+
+    def accept_rows(self, tree: DraftTree, path: list[int], rows: Tensor, tli_keys: list[Tensor],
+                    tli_values: list[Tensor]) -> None:
+        """`accept` from what a server sends instead of the target's output: the accepted nodes'
+        Ekv2E rows [1, n, E] (+ last-TLI-layer K/V), as in serving/."""
+        fed = fed_prefix(tree, path)
+        self.state.sa.select(keep_index(self.base, fed, self.device))
+        self.drafter.extend_rows(self.state, rows, tli_keys, tli_values)  # also drops TLI drafts
         if len(fed) < len(path):  # accepted nodes never run through SA (the last level's leaves)
-            self.drafter.feed(self.state, tree.tokens[path[len(fed):]][None], self.target)
+            self.drafter.feed(self.state, tree.tokens[path[len(fed):]][None].to(self.device), self.target)
 
 
 class EagleSession(_ModelSession):
@@ -169,8 +177,8 @@ class IndependentSession(_ModelSession):
         return self.drafter(tokens[None], self.caches, positions, mask)[0]
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
-        fed = _fed_prefix(tree, path)
-        keep = _keep_index(self.base, fed, self.device)
+        fed = fed_prefix(tree, path)
+        keep = keep_index(self.base, fed, self.device)
         for cache in self.caches:
             cache.select(keep)
         if len(fed) < len(path):

@@ -264,7 +264,7 @@ class TransformersBackend(TargetBackend):
                 raise Conflict("session is closed")
             if seq < have:  # cut back to the client's position: the root is the token the target had there
                 session.tokens, session.pending = session.tokens[:seq], root
-                session.cache.lengths[0] = seq
+                session.cache.rewind(0, seq)
                 self.counters["rewinds"] += 1
             self.counters["verifies"] += 1
             out = self._forward(session.cache, tree)

@@ -67,19 +67,6 @@ def decode_sync(sync: SyncPayload, dtype: torch.dtype, device: torch.device) -> 
     return out
 
 
-def _fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
-    slots = []
-    for node in path:
-        if tree.feed_slots[node] < 0:
-            break
-        slots.append(tree.feed_slots[node])
-    return slots
-
-
-def _keep(base: int, slots: list[int], device: torch.device) -> Tensor:
-    return torch.cat([torch.arange(base, device=device), base + torch.tensor(slots, dtype=torch.long, device=device)])
-
-
 class _Local:
     """Shared offline drafting: `_chain_logits(tokens)` feeds tokens after what is fed so far and
     returns the next-token logits [V] after the last of them."""
@@ -150,11 +137,10 @@ class LocalMoA(MoASession, _Local):
         self.drafter.feed(self.state, torch.tensor([prompt], device=self.device), self.target)
 
     def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        fed = _fed_prefix(tree, path)
-        self.state.sa.select(_keep(self.base, fed, self.device))
-        self._extend(sync)
-        if len(fed) < len(path):  # accepted nodes never run through SA
-            self.drafter.feed(self.state, tree.tokens[path[len(fed):]][None].to(self.device), self.target)
+        if sync.rows is None or (self.drafter.tli > 0 and sync.tli_keys is None):
+            raise PayloadError("the server sent no MoA rows (or no TLI K/V) for verified tokens")
+        self.accept_rows(tree, path, sync.rows, sync.tli_keys or [], sync.tli_values or [])
+        self.verified = self.state.num_verified
         self.fed = []
 
     def rollback(self) -> None:
