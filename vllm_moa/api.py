@@ -39,7 +39,7 @@ class Speculator:
         """Load a target (default: the shipped demo target) and a drafter checked against it."""
         from transformers import AutoTokenizer
 
-        from vllm_moa.demo import SHIPPED
+        from vllm_moa.demo import SHIPPED, drafter_directory
         from vllm_moa.models import load_drafter
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -49,13 +49,7 @@ class Speculator:
         if drafter is None or drafter == "ngram":
             draft = drafter
         else:
-            drafter_dir = Path(drafter)
-            if not drafter_dir.is_dir() and (SHIPPED / str(drafter)).is_dir():
-                drafter_dir = SHIPPED / str(drafter)
-            if not drafter_dir.is_dir():
-                raise FileNotFoundError(f"drafter {drafter!r} is neither a directory nor a shipped demo drafter "
-                                        "(moa-tli0, moa-tli1, eagle, independent) nor 'ngram'")
-            draft = load_drafter(drafter_dir, target_model).eval()
+            draft = load_drafter(drafter_directory(drafter), target_model).eval()
         return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

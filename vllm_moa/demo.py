@@ -20,6 +20,17 @@ SHIPPED = Path(__file__).parent / "assets" / "demo"
 
 
 MOA_DRAFTERS = ("moa-tli0", "moa-tli1")
+SHIPPED_DRAFTERS = (*MOA_DRAFTERS, "eagle", "independent")
+
+
+def drafter_directory(spec: str | Path) -> Path:
+    """A drafter directory given as a path or as the name of a shipped demo drafter."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    if str(spec) in SHIPPED_DRAFTERS:
+        return SHIPPED / str(spec)
+    raise FileNotFoundError(f"drafter {str(spec)!r} is neither a directory nor a shipped demo drafter "
+                            f"({', '.join(SHIPPED_DRAFTERS)})")
 
 
 def demo_models(drafter: str = "moa-tli0") -> tuple[Path, Path, list[str]]:

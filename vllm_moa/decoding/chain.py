@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
 import torch
 
-from torch import Tensor
-
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
-from vllm_moa.decoding.sampling import SamplingParams, sample
+from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.models import Drafter
 from vllm_moa.target import TargetKVCache, TargetModel
@@ -33,14 +32,14 @@ def plain_generate(target: TargetModel, prompt_ids: list[int], max_new_tokens: i
                    eos_token_id: int | None = None) -> GenerationResult:
     """The baseline: one target forward per token, same functional target and cache."""
     _check_request(prompt_ids, max_new_tokens)
-    generator = _generator(seed, target.device)
+    generator = make_generator(seed, target.device)
     started = time.perf_counter()
     cache = TargetKVCache()
     logits = target(torch.tensor([prompt_ids], device=target.device), cache).logits
     tokens: list[int] = []
     result = GenerationResult(tokens)
     while True:
-        token = _pick(logits[:, -1], sampling, generator)
+        token = pick(logits[:, -1], sampling, generator)
         tokens.append(int(token))
         if len(tokens) >= max_new_tokens or int(token) == eos_token_id:
             break
@@ -75,14 +74,3 @@ def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, pro
                                 max_new_tokens: int, num_draft: int = 4,
                                 eos_token_id: int | None = None) -> GenerationResult:
     return speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft, None, None, eos_token_id)
-
-
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
-
-
-def _pick(logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None) -> Tensor:
-    """logits [1, V] -> token [1, 1]: greedy, or sampled from the warped distribution."""
-    if sampling is None or sampling.greedy:
-        return logits.argmax(-1, keepdim=True)
-    return sample(sampling.probs(logits), generator)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.drafters import DraftSession, open_session
-from vllm_moa.decoding.sampling import SamplingParams, sample
+from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
 from vllm_moa.models import Drafter
@@ -95,7 +95,10 @@ class _Sequence:
     pending: int = -1
     emitted: int = 0
     done: bool = False
-    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.token_ids
 
 
 class SpeculativeEngine:
@@ -143,7 +146,6 @@ class SpeculativeEngine:
                 raise ValueError(f"stop must be non-empty strings, got {list(stop)!r}")
 
     # -- generation -----------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int] = 64,
                  sampling: SamplingParams | None = None, seed: int | None = None,
                  eos_token_id: int | None = None, stop: Sequence[str] | None = None,
@@ -175,7 +177,7 @@ class GenerationBatch:
                  on_tokens) -> None:
         self.target, self.drafter, self.spec, self.tokenizer = engine.target, engine.drafter, engine.spec, engine.tokenizer
         device = self.target.device
-        self._generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        self._generator = make_generator(seed, device)
         self._sampling = None if sampling is None or sampling.greedy else sampling
         self._eos, self._stop, self._on_tokens = eos_token_id, list(stop or []), on_tokens
         self._started = time.perf_counter()
@@ -257,9 +259,7 @@ class GenerationBatch:
 
     def _pick(self, logits: Tensor) -> int:
         """logits [1, V] -> the target's token (greedy or sampled)."""
-        if self._sampling is None:
-            return int(logits.argmax(-1))
-        return int(sample(self._sampling.probs(logits), self._generator))
+        return int(pick(logits, self._sampling, self._generator))
 
     def _emit(self, s: _Sequence, new_tokens: list[int]) -> None:
         """Append verified tokens, apply stops (EOS, max_tokens, stop strings), stream the rest."""
@@ -274,7 +274,6 @@ class GenerationBatch:
             if len(s.tokens) >= s.max_tokens:
                 s.done, s.result.finish_reason = True, "length"
                 break
-        s.result.token_ids = s.tokens
         if self._on_tokens is not None and len(s.tokens) > s.emitted:
             self._on_tokens(s.index, s.tokens[s.emitted :])
         s.emitted = len(s.tokens)

@@ -1,12 +1,8 @@
-"""Sampling parameters and lossless speculative sampling for chains.
+"""Sampling parameters, warping (temperature, top-k, top-p) and the target's own token choice.
 
-Rejection sampling (Leviathan et al., 2023; Chen et al., 2023): drafts d_1..d_k were sampled
-from the drafter's distributions q_1..q_k; the target gives p_1..p_{k+1} at the same positions.
-d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is
-drawn from norm(max(p_i - q_i, 0)) and the round ends; if all k are accepted a bonus token is drawn
-from p_{k+1}. The output is distributed exactly as sampling from p token by token, for any q
-(tests/unit/test_sampling.py checks this with a chi-square test). p and q are the *warped*
-distributions (temperature, top-k, top-p), so the output follows the target's warped sampling.
+Draft acceptance, lossless for chains and trees, is in decoding/verify.py. p and q there are the
+*warped* distributions of `SamplingParams.probs`, so the output follows the target's warped
+sampling.
 """
 
 from __future__ import annotations
@@ -56,20 +52,13 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def rejection_sample(drafts: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                     generator: torch.Generator | None) -> tuple[int, Tensor]:
-    """drafts [k], draft_probs q [k, V], target_probs p [k+1, V] -> (accepted count n, next token [1, 1]).
+def pick(logits: Tensor, sampling: SamplingParams | None, generator: torch.Generator | None) -> Tensor:
+    """The target's own choice: logits [1, V] -> token [1, 1], greedy or sampled from the warped
+    distribution."""
+    if sampling is None or sampling.greedy:
+        return logits.argmax(-1, keepdim=True)
+    return sample(sampling.probs(logits), generator)
 
-    The next token is the residual sample at the first rejection, or the bonus from p_{k+1}."""
-    k = drafts.shape[0]
-    for i in range(k):
-        token = int(drafts[i])
-        p, q = target_probs[i, token], draft_probs[i, token]
-        u = torch.rand((), generator=generator, device=drafts.device)
-        if q > 0 and u * q <= p:  # accept with probability min(1, p/q)
-            continue
-        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
-        if residual.sum() <= 0:  # p == q exactly: any rejection is measure-zero; fall back to p
-            residual = target_probs[i]
-        return i, sample((residual / residual.sum())[None], generator)
-    return k, sample(target_probs[k][None], generator)
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)

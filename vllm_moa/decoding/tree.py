@@ -89,8 +89,12 @@ class DraftTree:
     def size(self) -> int:
         return len(self.parents)
 
-    def children(self, node: int) -> list[int]:
-        return [i for i in range(node + 1, self.size) if self.parents[i] == node]
+    def children(self) -> list[list[int]]:
+        """Each node's children, in node order (the order acceptance tries them)."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for i in range(1, self.size):
+            out[self.parents[i]].append(i)
+        return out
 
     def path_to(self, node: int) -> list[int]:
         """Root ... node."""

@@ -27,7 +27,7 @@ def greedy_accept(tree: DraftTree, target_logits: Tensor) -> tuple[list[int], in
     """target_logits [N, V] -> (accepted path, the target's argmax after it)."""
     choice = target_logits.argmax(-1).tolist()
     tokens = tree.tokens.tolist()
-    children = _children(tree)
+    children = tree.children()
     node, path = 0, [0]
     while True:
         nxt = next((c for c in children[node] if tokens[c] == choice[node]), None)
@@ -41,7 +41,7 @@ def sampled_accept(tree: DraftTree, target_probs: Tensor,
                    generator: torch.Generator | None) -> tuple[list[int], int]:
     """target_probs [N, V] (warped) -> (accepted path, next token sampled losslessly)."""
     tokens = tree.tokens.tolist()
-    children = _children(tree)
+    children = tree.children()
     node, path = 0, [0]
     while True:
         p = target_probs[node]
@@ -63,10 +63,3 @@ def sampled_accept(tree: DraftTree, target_probs: Tensor,
             return path, int(sample(p[None], generator))
         node = accepted
         path.append(node)
-
-
-def _children(tree: DraftTree) -> list[list[int]]:
-    children: list[list[int]] = [[] for _ in range(tree.size)]
-    for i in range(1, tree.size):
-        children[tree.parents[i]].append(i)
-    return children

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from vllm_moa.config import CONFIG_NAME, WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError
+from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError
 
 if TYPE_CHECKING:
     from vllm_moa.target import TargetModel, TargetOutput

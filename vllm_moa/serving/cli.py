@@ -19,8 +19,6 @@ from typing import Optional
 
 import typer
 
-SHIPPED_DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent")
-
 
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -34,17 +32,6 @@ def _set_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
-
-
-def _drafter_dir(spec: str) -> Path:
-    from vllm_moa.demo import SHIPPED
-
-    if Path(spec).is_dir():
-        return Path(spec)
-    if spec in SHIPPED_DRAFTERS:
-        return SHIPPED / spec
-    raise ValueError(f"drafter {spec!r} is neither a directory nor a shipped demo drafter "
-                     f"({', '.join(SHIPPED_DRAFTERS)})")
 
 
 def serve(
@@ -78,7 +65,7 @@ def serve(
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.demo import SHIPPED, drafter_directory
     from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
     from vllm_moa.serving.protocol import ServerLimits
     from vllm_moa.serving.security import load_tokens
@@ -101,7 +88,7 @@ def serve(
         drafters = {}
         for spec in specs:
             name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
-            drafters[name] = _drafter_dir(path)
+            drafters[name] = drafter_directory(path)
         if backend == "vllm":
             BACKENDS["vllm"]()
         name = None
@@ -155,7 +142,7 @@ def client(
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.demo import SHIPPED, drafter_directory
     from vllm_moa.models import load_drafter
     from vllm_moa.serving.client import (
         ProtocolError,
@@ -178,7 +165,7 @@ def client(
             local_target = TargetModel.from_pretrained(target_dir)
             if target is None:
                 local_target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-            model = load_drafter(_drafter_dir(drafter), local_target).eval()
+            model = load_drafter(drafter_directory(drafter), local_target).eval()
         prompt_ids = tokenizer(prompt)["input_ids"]
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,
