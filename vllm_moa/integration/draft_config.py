@@ -128,3 +128,16 @@ def check_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> None:
             f"kv_cache_dtype={cache_dtype!r}: MoA reads the target's KV cache as {model_dtype} values; "
             "quantised or converted KV caches are not supported (leave kv_cache_dtype at 'auto')"
         )
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def check_model_runner(v2_env_value: str | None) -> None:
+    """MoA drafts through the V1 model runner (patches.V1RunnerPatch keeps it there); a user who
+    forces Model Runner V2 would get a speculator that never taps the target."""
+    if v2_env_value is not None and v2_env_value.strip().lower() in ("1", "true", "yes", "on"):
+        raise UnsupportedMoASetup(
+            f"{V2_RUNNER_ENV}={v2_env_value}: speculative method 'moa' runs on vLLM's V1 model runner "
+            f"(Model Runner V2 has no MoA speculator yet); unset {V2_RUNNER_ENV}"
+        )

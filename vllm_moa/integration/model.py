@@ -167,8 +167,11 @@ class MoADraftStack(nn.Module):
         config = draft_hf_config(vllm_config)
         attention = attention or Attention
         self.embed_tokens: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
-        self.sa = MoASelfAttention(config, vllm_config, attention, maybe_prefix(prefix, "sa"))
-        self.ca = MoACrossAttention(config, vllm_config, attention, maybe_prefix(prefix, "ca"))
+        # vLLM orders and binds KV caches by the one integer in each attention layer's name
+        # (bind_kv_cache): SA and CA are numbered after the target's L layers, as EAGLE heads are.
+        first = config.target_signature.num_layers
+        self.sa = MoASelfAttention(config, vllm_config, attention, maybe_prefix(prefix, f"layers.{first}.sa"))
+        self.ca = MoACrossAttention(config, vllm_config, attention, maybe_prefix(prefix, f"layers.{first + 1}.ca"))
         # TLI = 0: the CA output stands for the target's final post-norm hidden state
         self.out_norm = RMSNorm(config.target_signature.hidden_size, eps=config.rms_norm_eps)
 

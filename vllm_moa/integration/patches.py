@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: four declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: five declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -7,12 +7,15 @@
                                                                 scheduler (lookahead slots) and the V1 runner
     DraftModelProposerPatch   DraftModelProposer.__new__        the runner's DraftModelProposer(...) is a
                                                                 MoAProposer when the method is "moa"
+    V1RunnerPatch             VllmConfig._get_v2_model_runner_unsupported_features
+                                                                "moa" keeps the V1 model runner (0.32
+                                                                would pick V2 on GPUs)
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
 extra slot per request, CUDA graphs, metrics) through `uses_draft_model()` and
 `isinstance(drafter, DraftModelProposer)`. MoA is a draft model that also reads the target's
-KV cache, so MoAProposer subclasses DraftModelProposer and these four patches route "moa" there.
+KV cache, so MoAProposer subclasses DraftModelProposer and these patches route "moa" there.
 
 A patch records itself on the patched class; applying it again is a no-op, and two different
 patches of one attribute are refused (as ArcticInference's patching does). Shapes of the patched
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from vllm_moa.integration import compat
@@ -119,7 +123,7 @@ class SpeculativePostInitPatch(VllmPatch):
         def __post_init__(self):  # noqa: N807
             if self.method != compat.METHOD:
                 return original(self)
-            from vllm_moa.integration.draft_config import check_moa_drafter
+            from vllm_moa.integration.draft_config import V2_RUNNER_ENV, check_model_runner, check_moa_drafter
 
             target = self.target_model_config
             parallel = self.target_parallel_config
@@ -132,6 +136,7 @@ class SpeculativePostInitPatch(VllmPatch):
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
                 draft_tensor_parallel_size=self.draft_tensor_parallel_size,
             )
+            check_model_runner(os.environ.get(V2_RUNNER_ENV))
             self.method = "draft_model"
             try:
                 result = original(self)
@@ -187,11 +192,36 @@ class DraftModelProposerPatch(VllmPatch):
         setattr(base, attr, __new__)
 
 
+class V1RunnerPatch(VllmPatch):
+    """MoA runs on the V1 model runner (MoAProposer is a V1 proposer; Model Runner V2 would build
+    its own draft-model speculator and never tap the target). vLLM 0.26 falls back to V1 for
+    "moa" by itself; 0.32 does not list it, so this adds "speculative method 'moa'" to the features
+    V2 lacks, and vLLM logs that it uses the V1 runner. Forcing V2 (VLLM_USE_V2_MODEL_RUNNER=1) is
+    refused by draft_config.check_model_runner."""
+
+    symbol = "v2_runner_unsupported"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def unsupported(self) -> list[str]:
+            features = original(self)
+            spec = self.speculative_config
+            if spec is not None and spec.method == compat.METHOD:
+                features.append(f"speculative method '{compat.METHOD}'")
+            return features
+
+        setattr(owner, attr, unsupported)
+
+
 PATCHES: tuple[type[VllmPatch], ...] = (
     MethodLiteralPatch,
     SpeculativePostInitPatch,
     UsesDraftModelPatch,
     DraftModelProposerPatch,
+    V1RunnerPatch,
 )
 
 

@@ -106,7 +106,8 @@ class MoAProposer(DraftModelProposer):
         if len(backends) != 1:
             raise UnsupportedMoASetup(f"target layers run on several attention backends: {sorted(backends)}")
         backend = backends.pop()
-        self._kv_layout = compat.kv_layout_for_backend(backend)
+        isas = {getattr(layer, "isa", None) for layer in self._target_layers}  # CPU_ATTN's kernel choice
+        self._kv_layout = compat.kv_layout_for_backend(backend, isas.pop() if len(isas) == 1 else None)
         logger.info("MoA drafter: tapping %d target layers (%s KV cache, block size %d, KV-cache group %d)",
                     len(self._target_layers), backend, self.block_size, self.kv_cache_gid)
 
@@ -151,26 +152,22 @@ class MoAProposer(DraftModelProposer):
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
     ) -> tuple[list[object], dict[str, object]]:
         per_group, per_layer = super().build_per_group_and_layer_attn_metadata(common_attn_metadata, draft_index)
-        cad = common_attn_metadata
-        seq_lens_cpu = cad._seq_lens_cpu
         rejected = self._num_rejected
-        rows_cad = cad.replace(
-            seq_lens=row_seq_lens(cad.seq_lens, draft_index, rejected),
-            _seq_lens_cpu=None if seq_lens_cpu is None or rejected is not None
-            else row_seq_lens(seq_lens_cpu, draft_index),
-            _num_computed_tokens_cpu=None,
-            _num_computed_tokens_cache=None,
+        rows_cad = common_attn_metadata.replace(
+            seq_lens=row_seq_lens(common_attn_metadata.seq_lens, draft_index, rejected),
             causal=draft_index > 0,  # first pass: every query sees all R rows
+            **compat.host_seq_lens_fields(common_attn_metadata, lambda lens: row_seq_lens(lens, draft_index),
+                                          exact=rejected is None),
         )
         for group in self.draft_attn_groups:
             names = self._ca_layer_names.intersection(group.layer_names)
             if not names:
                 continue
-            metadata = group.get_metadata_builder().build_for_drafting(rows_cad, draft_index)
+            metadata = compat.build_drafting_metadata(group, rows_cad, draft_index)
             if draft_index == 0 and getattr(metadata, "causal", False) is not False:
                 raise UnsupportedMoASetup(
                     f"MoA's cross-attention needs a non-causal-capable attention backend; the drafter "
-                    f"runs on {group.backend.get_name()} (use FLASH_ATTN, TRITON_ATTN or FLASHINFER)"
+                    f"runs on {group.backend.get_name()} (use FLASH_ATTN, TRITON_ATTN, FLASHINFER or CPU_ATTN)"
                 )
             for name in names:
                 per_layer[name] = metadata

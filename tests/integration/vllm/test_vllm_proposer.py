@@ -84,8 +84,12 @@ def test_load_model_on_the_demo_models(cpu_proposer, demo_target, demo_drafter):
     with set_current_vllm_config(config):
         proposer.load_model(target)
     model = proposer.moa_model()
-    assert proposer._draft_attn_layer_names == {"draft_model.model.sa.attn", "draft_model.model.ca.attn"}
-    assert proposer._ca_layer_names == {"draft_model.model.ca.attn"}
+    # one integer per name, numbered after the target's 8 layers: what vLLM's bind_kv_cache accepts
+    sa, ca = "draft_model.model.layers.8.sa.attn", "draft_model.model.layers.9.ca.attn"
+    assert proposer._draft_attn_layer_names == {sa, ca}
+    assert proposer._ca_layer_names == {ca}
+    from vllm.model_executor.models.utils import extract_layer_index
+    assert [extract_layer_index(name) for name in (sa, ca)] == [8, 9]
     assert [layer.layer_name for layer in proposer._target_layers] == [
         f"model.layers.{i}.self_attn.attn" for i in range(8)]
     # the target's own embedding and LM head, shared (never copied)
@@ -94,12 +98,13 @@ def test_load_model_on_the_demo_models(cpu_proposer, demo_target, demo_drafter):
     checkpoint = load_file(f"{demo_drafter}/model.safetensors")
     torch.testing.assert_close(model.lsa.ekv2e.weight, checkpoint["lsa.ekv2e.weight"].float(), rtol=0, atol=0)
     # CA's cache is written by the tap only: no slot mapping for it in the forward
-    assert set(proposer._get_slot_mapping(5)) == {"draft_model.model.sa.attn"}
+    assert set(proposer._get_slot_mapping(5)) == {sa}
 
     groups = kv_cache_config(config)
     assert len(groups.kv_cache_groups) == 1 and len(groups.kv_cache_groups[0].layer_names) == 10
-    with set_current_vllm_config(config), pytest.raises(ValueError, match="backend 'CPU_ATTN'"):
-        proposer.initialize_attn_backend(groups)  # vLLM's CPU backend: a KV layout MoA does not read
+    # vLLM's CPU backend without a runner: no kernel ISA chosen for the layers, so no layout to read
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="on CPU_ATTN .* the None kernel ISA"):
+        proposer.initialize_attn_backend(groups)
     assert proposer.kv_cache_gid == 0 and proposer.block_size == config.cache_config.block_size
 
 
@@ -117,7 +122,7 @@ def test_drafter_heads_differ_from_the_target(cpu_proposer, tmp_path):
     groups = kv_cache_config(config)
     assert len(groups.kv_cache_groups) == 1
     assert type(groups.kv_cache_groups[0].kv_cache_spec).__name__ == "UniformTypeKVCacheSpecs"
-    with set_current_vllm_config(config), pytest.raises(ValueError, match="backend 'CPU_ATTN'"):
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="on CPU_ATTN .* the None kernel ISA"):
         proposer.initialize_attn_backend(groups)
 
 

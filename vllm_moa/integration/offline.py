@@ -1,0 +1,224 @@
+"""One configuration of vLLM's offline engine (`vllm.LLM`), run in a child process, and what it
+produced: token ids, wall times and vLLM's own metrics (spec-decode counters, prefix-cache hits,
+preemptions).
+
+The engine tests, `benchmarks/vllm_cpu_engine.py` and `examples/offline_inference.py` all drive
+vLLM through this module. A child process per engine keeps every run independent (vLLM starts
+its engine core and workers as further processes; they all end with the child, which runs in its
+own process group and is killed whole on a timeout), and lets a test assert that nothing is
+left behind.
+
+    python -m vllm_moa.integration.offline run.json result.json
+
+Only vLLM's public API is used here (LLM, SamplingParams, TokensPrompt, get_metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's metric names (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py)
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+PREEMPTIONS = "vllm:num_preemptions"
+
+
+class EngineRun(BaseModel):
+    """What to run: one engine, the same prompts `passes` times (later passes hit the prefix cache)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str
+    speculative_config: dict[str, Any] | None = None
+    prompts: list[list[int]]  # token ids
+    max_tokens: int = Field(64, gt=0)
+    temperature: float | list[float] = 0.0  # one for all requests, or one per prompt
+    seed: int | None = 0  # request i samples with seed + i
+    ignore_eos: bool = True  # generate max_tokens for every request (benchmarks, comparisons)
+    # one entry per pass over all prompts: how many requests are submitted together (0: all at
+    # once; c: consecutive groups of c, each generated to the end before the next: concurrency c).
+    # Later passes over the same prompts hit the prefix cache.
+    passes: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    # EngineArgs keywords (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    # num_gpu_blocks_override, enable_prefix_caching, ...); enforce_eager and
+    # disable_log_stats=False are set unless given.
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+
+class SpecDecodeCounters(BaseModel):
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = Field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """vLLM's mean acceptance length: 1 + accepted / drafts (nan without drafts)."""
+        return 1 + self.accepted / self.drafts if self.drafts else float("nan")
+
+    def minus(self, earlier: SpecDecodeCounters) -> SpecDecodeCounters:
+        """What was counted since `earlier` (vLLM's counters only grow)."""
+        per_pos = [a - b for a, b in zip(self.accepted_per_pos, earlier.accepted_per_pos or [0] * len(self.accepted_per_pos))]
+        return SpecDecodeCounters(drafts=self.drafts - earlier.drafts, draft_tokens=self.draft_tokens - earlier.draft_tokens,
+                                  accepted=self.accepted - earlier.accepted, accepted_per_pos=per_pos)
+
+
+class PassResult(BaseModel):
+    concurrency: int  # requests submitted together
+    outputs: list[list[int]]  # [prompt] -> generated token ids
+    seconds: float  # wall time of the pass
+    spec_decode: SpecDecodeCounters  # of this pass alone
+
+
+class EngineResult(BaseModel):
+    passes: list[PassResult]
+    startup_seconds: float
+    spec_decode: SpecDecodeCounters  # all passes
+    prefix_cache_hits: int = 0  # tokens
+    preemptions: int = 0
+    vllm_version: str = ""
+    orphans: bool = False  # processes of the child's group outlived it (set by run_engine)
+
+
+class EngineRunFailed(RuntimeError):
+    """The engine did not start or did not finish; the message ends with its last log lines.
+    `log`: the child's whole output; `orphans`: whether processes of its group outlived it."""
+
+    def __init__(self, message: str, log: str, orphans: bool) -> None:
+        super().__init__(message)
+        self.log, self.orphans = log, orphans
+
+
+def spec_decode_counters(metrics: list) -> SpecDecodeCounters:
+    """vLLM's spec-decode counters from LLM.get_metrics() (needs disable_log_stats=False)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    counters = SpecDecodeCounters()
+    for metric in metrics:
+        if isinstance(metric, Counter):
+            field = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}.get(metric.name)
+            if field:
+                setattr(counters, field, getattr(counters, field) + int(metric.value))
+        elif isinstance(metric, Vector) and metric.name == ACCEPTED_PER_POS:
+            per_pos = counters.accepted_per_pos or [0] * len(metric.values)
+            counters.accepted_per_pos = [a + int(b) for a, b in zip(per_pos, metric.values)]
+    return counters
+
+
+def counter_total(metrics: list, name: str) -> int:
+    from vllm.v1.metrics.reader import Counter
+
+    return sum(int(m.value) for m in metrics if isinstance(m, Counter) and m.name == name)
+
+
+def execute(run: EngineRun) -> EngineResult:
+    """Run `run` in this process (the child's side of run_engine)."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {"enforce_eager": True, "disable_log_stats": False, **run.engine}
+    start = time.perf_counter()
+    llm = LLM(model=run.target, speculative_config=run.speculative_config, **kwargs)
+    startup = time.perf_counter() - start
+    temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
+    if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
+        raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
+    sampling = [SamplingParams(temperature=t, max_tokens=run.max_tokens, ignore_eos=run.ignore_eos,
+                               seed=None if run.seed is None else run.seed + i)
+                for i, t in enumerate(temperatures)]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
+    passes, before = [], SpecDecodeCounters()
+    for group in run.passes:
+        size = group or len(prompts)
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        for first in range(0, len(prompts), size):
+            done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in done]
+        seconds = time.perf_counter() - start
+        after = spec_decode_counters(llm.get_metrics())
+        passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, seconds=seconds,
+                                 spec_decode=after.minus(before)))
+        before = after
+    metrics = llm.get_metrics()
+    return EngineResult(
+        passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
+        prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
+        preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__,
+    )
+
+
+def run_engine(run: EngineRun, *, timeout: float = 900, env: dict[str, str] | None = None,
+               python: str = sys.executable, workdir: Path | None = None) -> EngineResult:
+    """Run `run` in a child process (its own process group) and return its result; raises
+    EngineRunFailed with the child's last log lines when it fails or runs past `timeout`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        spec, out = Path(tmp) / "run.json", Path(tmp) / "result.json"
+        spec.write_text(run.model_dump_json())
+        log = Path(tmp) / "log.txt"
+        with log.open("wb") as log_file:
+            child = subprocess.Popen([python, "-m", __name__, str(spec), str(out)], stdout=log_file,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+            try:
+                code = child.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                orphans = _kill_group(child.pid)
+        if code != 0 or not out.is_file():
+            text = log.read_text(errors="replace")
+            what = f"ran past {timeout:.0f} s" if code is None else f"exited with {code}"
+            raise EngineRunFailed(f"vLLM engine run {what}: {root_causes(text)}\n--- last lines:\n"
+                                  + "\n".join(text.splitlines()[-25:]), text, orphans)
+        result = EngineResult.model_validate_json(out.read_text())
+        result.orphans = orphans
+        return result
+
+
+def root_causes(log: str) -> str:
+    """The distinct exception lines of a vLLM log ("ValueError: ..."), worker and engine-core
+    prefixes removed: what went wrong, without the traceback."""
+    causes: list[str] = []
+    for line in log.splitlines():
+        match = re.search(r"\b([A-Z]\w*(?:Error|Exception|Mismatch)): (.*)$", line)
+        if match and (cause := f"{match[1]}: {match[2]}") not in causes:
+            causes.append(cause)
+    return " | ".join(causes[:4]) or "no exception in the log"
+
+
+def _kill_group(pgid: int) -> bool:
+    """End the child's process group (engine core and workers included); returns whether any of
+    it was still there."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    run = EngineRun.model_validate_json(Path(spec_path).read_text())
+    result = execute(run)
+    Path(out_path).write_text(result.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its workers with spawn: the entry point must be guarded
+    sys.exit(main(sys.argv[1:]))
