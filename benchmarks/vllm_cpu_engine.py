@@ -36,7 +36,7 @@ def resolve_target(name: str) -> Path:
     if name == "demo":
         return SHIPPED / "target"
     if name == "smollm2":
-        from vllm_moa.real_target import fetch_smollm2
+        from vllm_moa.targets import fetch_smollm2
 
         return fetch_smollm2()
     return Path(name)

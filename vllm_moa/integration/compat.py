@@ -141,6 +141,10 @@ OVERRIDDEN_METHODS: dict[str, str] = {
     "_maybe_share_lm_head": "(self, target_language_model)",
     "model_returns_tuple": "(self)",
     "_create_draft_vllm_config": "(self)",
+    "set_inputs_first_pass": (
+        "(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, "
+        "token_indices_to_sample, cad, num_rejected_tokens_gpu)"
+    ),
 }
 USED_CALLABLES: dict[str, str] = {
     # the KV write MoADraftModel.write_rows calls on the drafter's CA layer, per backend

@@ -96,12 +96,6 @@ def check_moa_drafter(
     actual = signature_from_hf_config(target_hf_config, target_path)
     config.target_signature.check_compatible(actual, strict_fingerprint=strict_fingerprint)
 
-    if config.tli > 0:
-        raise UnsupportedMoASetup(
-            f"{path}: tli={config.tli}; the vLLM plugin runs TLI = 0 drafters only so far (TLI > 0 runs "
-            "the target's last layers inside the drafter). Use a TLI = 0 drafter, or vllm-moa's "
-            "transformers runtime (`vllm-moa generate`)"
-        )
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size),
                         ("draft_tensor_parallel_size", draft_tensor_parallel_size or 1)):

@@ -1,6 +1,6 @@
 """The MoA drafter as a vLLM model (architecture "MoADraftModel", registered by the plugin).
 
-Same maths as `vllm_moa.models.moa.MoADrafter` (TLI = 0), laid out for vLLM's paged caches:
+Same maths as `vllm_moa.models.moa.MoADrafter` (any TLI), laid out for vLLM's paged caches:
 
     tap (MoAProposer, once per step, outside CUDA graphs):
         target per-layer paged KV of the step's verified tokens --LSA (vllm_moa.kernels: Triton
@@ -8,7 +8,8 @@ Same maths as `vllm_moa.models.moa.MoADrafter` (TLI = 0), laid out for vLLM's pa
         position--> written into CA's paged KV cache at the token's own slot
     forward (vLLM's draft-model loop; compiled, CUDA graphs where vLLM uses them):
         token embedding (target's) --SA (vLLM Attention, causal, own paged KV)--> CA query
-        --CA (vLLM Attention over the row cache; writes nothing)--> out_norm --> target LM head
+        --CA (vLLM Attention over the row cache; writes nothing)--> out_norm (TLI = 0) or the
+        target's own last TLI layers + final norm (TLI > 0) --> target LM head
 
 CA attends exactly the R verified rows of its request: MoAProposer gives CA its own sequence
 lengths (R) and, in the first pass, non-causal attention (every query of the pass, in particular
@@ -172,16 +173,31 @@ class MoADraftStack(nn.Module):
         first = config.target_signature.num_layers
         self.sa = MoASelfAttention(config, vllm_config, attention, maybe_prefix(prefix, f"layers.{first}.sa"))
         self.ca = MoACrossAttention(config, vllm_config, attention, maybe_prefix(prefix, f"layers.{first + 1}.ca"))
-        # TLI = 0: the CA output stands for the target's final post-norm hidden state
-        self.out_norm = RMSNorm(config.target_signature.hidden_size, eps=config.rms_norm_eps)
+        # TLI = 0: the CA output stands for the target's final post-norm hidden state (out_norm).
+        # TLI = N > 0: it stands for the hidden state entering the target's layer L - N, and the
+        # target's own last N decoder layers and final norm run on it (MoAProposer.load_model
+        # hands them over; a tuple, so their weights stay the target's and are not the drafter's
+        # parameters). Their attention reads and writes the target's own paged KV cache: the
+        # target's K/V at verified positions, predicted K/V at drafted ones (MoAProposer gives
+        # them slots only at drafted positions, which the target's next verification overwrites).
+        self.out_norm = RMSNorm(config.target_signature.hidden_size, eps=config.rms_norm_eps) \
+            if config.tli == 0 else None
+        self.target_tail: tuple[tuple[nn.Module, ...], nn.Module] | None = None  # (last N layers, final norm)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] (or inputs_embeds [T, E]), positions [T] -> predicted final hidden [T, E]"""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         hidden = self.sa(positions, hidden)
-        hidden = self.ca(positions, hidden)
-        return self.out_norm(hidden)
+        hidden = self.ca(positions, hidden)  # [T, E]
+        if self.out_norm is not None:
+            return self.out_norm(hidden)
+        layers, final_norm = self.target_tail
+        residual = None
+        for layer in layers:  # vLLM's decoder layers: (positions, hidden, residual) -> (hidden, residual)
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = final_norm(hidden, residual)
+        return hidden
 
 
 def draft_hf_config(vllm_config: VllmConfig) -> MoAConfig:
@@ -189,8 +205,6 @@ def draft_hf_config(vllm_config: VllmConfig) -> MoAConfig:
     config = spec.draft_model_config.hf_config if spec is not None else vllm_config.model_config.hf_config
     if not isinstance(config, MoAConfig):
         raise DrafterConfigError(f"MoADraftModel needs a MoA drafter config, got {type(config).__name__}")
-    if config.tli != 0:
-        raise DrafterConfigError(f"MoADraftModel runs TLI = 0 drafters; this one has tli={config.tli}")
     return config
 
 

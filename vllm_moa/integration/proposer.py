@@ -19,6 +19,7 @@ The embedding and LM head are the target's own modules (shared, never copied).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm_moa.integration import compat
 from vllm_moa.integration.draft_config import UnsupportedMoASetup, check_kv_cache_dtype
 from vllm_moa.integration.model import MoADraftModel
-from vllm_moa.integration.tap import row_seq_lens, tap_write_slots
+from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
 
 logger = init_logger(__name__)
 
@@ -50,6 +51,8 @@ class MoAProposer(DraftModelProposer):
         self._ca_layer_names: set[str] = set()
         self._kv_layout: compat.KVLayout | None = None
         self._num_rejected: torch.Tensor | None = None  # [B] of the step being drafted
+        self._tli_layer_names: list[str] = []  # TLI > 0: the target attention layers the drafter runs
+        self._sample_indices: torch.Tensor | None = None  # [B] first pass: each request's drafting token
 
     def _create_draft_vllm_config(self) -> VllmConfig:
         base = super()._create_draft_vllm_config()
@@ -68,7 +71,19 @@ class MoAProposer(DraftModelProposer):
         self.moa_model().model.embed_tokens = target_language_model.model.embed_tokens
 
     def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
-        self.moa_model().lm_head = target_language_model.lm_head
+        model = self.moa_model()
+        model.lm_head = target_language_model.lm_head
+        tli = model.config.tli
+        if tli > 0:  # the target's own last TLI decoder layers and final norm (shared, never copied)
+            layers = tuple(target_language_model.model.layers[-tli:])
+            for layer in layers:
+                params = list(inspect.signature(layer.forward).parameters)
+                if params[:3] != ["positions", "hidden_states", "residual"]:
+                    raise UnsupportedMoASetup(
+                        f"TLI={tli} runs the target's decoder layers as (positions, hidden_states, residual); "
+                        f"{type(layer).__name__}.forward takes {params}")
+            model.model.target_tail = (layers, target_language_model.model.norm)
+            self._tli_layer_names = [layer.self_attn.attn.layer_name for layer in layers]
 
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)  # builds MoADraftModel, finds the draft attention layers
@@ -112,6 +127,14 @@ class MoAProposer(DraftModelProposer):
                     len(self._target_layers), backend, self.block_size, self.kv_cache_gid)
 
     # -- drafting ---------------------------------------------------------------------------
+    def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
+                              token_indices_to_sample, cad, num_rejected_tokens_gpu):
+        num_tokens, token_indices_to_sample, cad = super().set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, target_hidden_states, token_indices_to_sample,
+            cad, num_rejected_tokens_gpu)
+        self._sample_indices = token_indices_to_sample  # [B]: the TLI layers write there only
+        return num_tokens, token_indices_to_sample, cad
+
     def propose(
         self,
         num_speculative_tokens: int,
@@ -171,10 +194,25 @@ class MoAProposer(DraftModelProposer):
                 )
             for name in names:
                 per_layer[name] = metadata
+        if self._tli_layer_names:  # the target's TLI layers attend like SA: causal, the full sequence
+            sa_metadata = next(per_layer[name] for name in self._draft_attn_layer_names
+                               if name not in self._ca_layer_names)
+            for name in self._tli_layer_names:
+                per_layer[name] = sa_metadata
         return per_group, per_layer
 
     def _get_slot_mapping(self, num_tokens: int, slot_mapping: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         mapping = super()._get_slot_mapping(num_tokens, slot_mapping)
         for name in self._ca_layer_names:  # CA's cache is written by the tap only
             mapping.pop(name, None)
+        if self._tli_layer_names:
+            # the target's TLI layers write predicted K/V at drafted positions only: in the first
+            # pass (slot_mapping given) at each request's drafting token, never at verified ones
+            draft_slots = next(iter(mapping.values()))  # [num_tokens], SA's
+            if slot_mapping is not None and self._sample_indices is not None:
+                only = torch.full_like(draft_slots, PAD_SLOT)
+                only[self._sample_indices] = draft_slots[self._sample_indices]
+                draft_slots = only
+            for name in self._tli_layer_names:
+                mapping[name] = draft_slots
         return mapping

@@ -90,7 +90,6 @@ def test_unknown_key_in_speculative_config(demo_target):
 
 @pytest.mark.parametrize("spec,words", [
     (moa(DEMO / "eagle"), ["model_type is 'moa_eagle_drafter'", "needs a MoA drafter"]),
-    (moa(DEMO / "moa-tli1"), ["tli=1", "TLI = 0 drafters only"]),
     (moa("/nonexistent/moa"), ["not a local directory"]),
     ({"method": "moa", "num_speculative_tokens": 4}, ["needs 'model'"]),
     (moa(draft_tensor_parallel_size=2), ["draft_tensor_parallel_size=2"]),

