@@ -1,9 +1,10 @@
-"""Helpers for the client-server tests: tiny drafters of every kind and a real uvicorn server on
-127.0.0.1 in a background thread."""
+"""Helpers for the client-server tests: tiny drafters of every kind, a real uvicorn server on
+127.0.0.1 in a background thread, and a backend whose target forwards can be held at a gate."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -29,11 +30,36 @@ def tiny_drafters(target, seed: int = 0) -> dict:
     }
 
 
+class GatedBackend(TransformersBackend):
+    """The real backend with a gate after every target forward: while `gate` is clear, the first
+    forward to run (after `free_forwards` more) waits there, holding the target, so every later
+    request queues behind it, as behind a slow target. `in_forward` is set once a forward waits at
+    the gate; `closing` once a session close has been asked for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.in_forward, self.closing = threading.Event(), threading.Event(), threading.Event()
+        self.gate.set()
+        self.free_forwards = 0
+
+    def _floor(self, started: float) -> None:
+        super()._floor(started)
+        if self.free_forwards > 0:
+            self.free_forwards -= 1
+        elif not self.gate.is_set():
+            self.in_forward.set()
+            self.gate.wait()
+
+    def close(self, session) -> None:
+        self.closing.set()
+        super().close(session)
+
+
 @contextlib.contextmanager
 def running_server(target, drafters: dict, limits: ServerLimits | None = None, tokens: list[str] | None = None,
-                   **app_kwargs):
+                   backend_cls: type[TransformersBackend] = TransformersBackend, **app_kwargs):
     """Yields (url, app, backend) of a real server on 127.0.0.1 (a free port)."""
-    backend = TransformersBackend(target, {k: v for k, v in drafters.items() if not isinstance(v, str)})
+    backend = backend_cls(target, {k: v for k, v in drafters.items() if not isinstance(v, str)})
     app = create_app(backend, limits, tokens, **app_kwargs)
     server = ServerThread(app)
     url = server.start()

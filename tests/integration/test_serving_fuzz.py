@@ -40,11 +40,13 @@ def _check_answer(response: httpx.Response, what) -> None:
     assert response.status_code < 500, (what, response.status_code, response.text[:300])
     if response.status_code >= 400:
         assert response.json()["error"], what
+    elif response.headers.get("content-type", "").startswith("application/x-ndjson"):  # a complete stream
+        assert json.loads(response.text.splitlines()[-1]).get("done"), (what, response.text[-300:])
 
 
 @pytest.fixture(scope="module")
 def api_schema(world):
-    return schemathesis.openapi.from_url(f"{world['url']}/openapi.json")
+    return schemathesis.openapi.from_url(f"{world['url']}/openapi.json", headers=AUTH)  # the document needs auth too
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
@@ -66,6 +68,13 @@ json_values = st.recursive(
     max_leaves=30,
 )
 token_lists = st.one_of(st.lists(ints, max_size=24), json_values)
+# subnormal, tiny and huge temperatures (tiny ones once overflowed the warped logits into a 500)
+temperatures = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                         st.sampled_from([5e-324, 1e-310, 1e-40, 1e-8, 1e-5, 100.0, 100.5, 1e308]),
+                         st.floats(0, 1e-3, allow_subnormal=True))
+sampling_options = st.one_of(st.fixed_dictionaries({
+    "temperature": temperatures, "top_k": ints, "top_p": st.floats(allow_nan=True, allow_infinity=True), "seed": ints}),
+    st.fixed_dictionaries({"temperature": temperatures}), json_values)
 
 
 @st.composite
@@ -81,7 +90,8 @@ def near_valid(draw, world):
             "tli": ints})
         body = {"prompt": draw(token_lists), "drafter": draw(st.one_of(st.just(world["decl"]), json_values, declared))}
         for key in draw(st.sets(st.sampled_from(["pending", "sync_from", "encoding", "sampling", "junk"]))):
-            body[key] = draw(st.one_of(ints, st.sampled_from(["fp16", "int8", "fp8"]), json_values))
+            body[key] = draw(sampling_options if key == "sampling" else
+                             st.one_of(ints, st.sampled_from(["fp16", "int8", "fp8"]), json_values))
         return "POST", "/v1/sessions", body
     if route == "verify":
         sid = draw(st.one_of(st.just(session["session_id"]), st.text(max_size=70)))
@@ -93,10 +103,7 @@ def near_valid(draw, world):
     if route == "generate":
         body = {"prompt": draw(token_lists), "max_tokens": draw(st.one_of(ints, json_values)),
                 "stream": draw(st.one_of(st.booleans(), json_values)),
-                "sampling": draw(st.one_of(st.fixed_dictionaries({
-                    "temperature": st.floats(allow_nan=True, allow_infinity=True),
-                    "top_k": ints, "top_p": st.floats(allow_nan=True, allow_infinity=True),
-                    "seed": ints}), json_values))}
+                "sampling": draw(sampling_options)}
         return "POST", "/v1/generate", body
     if route == "close":
         return "DELETE", f"/v1/sessions/{draw(st.text(max_size=70))}", None

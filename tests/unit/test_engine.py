@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tiny_models import make_target
+from tiny_models import make_target, oracle_sessions
 from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -63,42 +63,6 @@ def test_greedy_output_equals_target_greedy(target, prompts, greedy, kind, shape
         assert o.finish_reason == "length" and o.target_forwards == len(o.accepted_per_forward)
 
 
-# -- oracle drafters: real sessions whose logits are nudged so that the target's greedy token sits
-# at a random rank among the top 3; this makes trees accept deep paths through any branch --------
-def _oracle(session_cls):
-    class Oracle(session_cls):
-        def __init__(self, *args, truth, seed):
-            super().__init__(*args)
-            self.truth, self.rng = truth, random.Random(seed)
-
-        def _begin(self):
-            super()._begin()
-            self.on_truth = {}
-
-        def _step(self, tokens, depths, parent_slots, visible):
-            logits = super()._step(tokens, depths, parent_slots, visible).clone()
-            fed = visible.shape[1] - tokens.shape[0]
-            for r, (token, depth, parent) in enumerate(zip(tokens.tolist(), depths, parent_slots)):
-                position = self.base + depth
-                on = (parent < 0 or self.on_truth[parent]) and position < len(self.truth) and self.truth[position] == token
-                self.on_truth[fed + r] = on
-                if on and position + 1 < len(self.truth):
-                    top = logits[r].topk(3).values
-                    rank = self.rng.randrange(3)
-                    value = top[0] + 1 if rank == 0 else (top[rank - 1] + top[rank]) / 2
-                    logits[r, self.truth[position + 1]] = value
-            return logits
-
-    return Oracle
-
-
-def _oracle_sessions(kind, drafter, target, prompts, greedy):
-    cls = {"moa": MoASession, "eagle": EagleSession, "independent": IndependentSession}[kind.split("-")[0]]
-    oracle = _oracle(cls)
-    args = (drafter,) if kind == "independent" else (drafter, target)
-    return [oracle(*args, truth=p + g, seed=i) for i, (p, g) in enumerate(zip(prompts, greedy))]
-
-
 def _fresh_session(kind, drafter, target, prefix):
     session = MoASession(drafter, target) if kind.startswith("moa") else \
         EagleSession(drafter, target) if kind == "eagle" else IndependentSession(drafter)
@@ -135,7 +99,7 @@ def test_caches_after_each_round_equal_a_fresh_computation(target, prompts, gree
     caches equal a fresh session started on that prefix; the output is still exact."""
     drafter = make_drafter(kind, target)
     batch_prompts, batch_greedy = prompts[:4], greedy[:4]
-    sessions = iter(_oracle_sessions(kind, drafter, target, batch_prompts, batch_greedy))
+    sessions = iter(oracle_sessions(kind, drafter, target, batch_prompts, batch_greedy))
     monkeypatch.setattr(engine_module, "open_session", lambda _drafter, _target: next(sessions))
     engine = SpeculativeEngine(target, drafter, DraftSpec.tree(depth=4, top_k=3, budget=10))
     batch = engine.start(batch_prompts, [NEW_TOKENS] * 4)

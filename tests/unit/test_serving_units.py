@@ -21,7 +21,7 @@ from vllm_moa.serving.protocol import (
     ServerLimits,
     VerifyRequest,
 )
-from vllm_moa.serving.sessions import SessionNotFound, SessionStore, TooManySessions
+from vllm_moa.serving.sessions import ServerBusy, SessionNotFound, SessionStore, TooManySessions
 
 
 # -- payload ------------------------------------------------------------------------------------
@@ -98,20 +98,18 @@ def test_session_store_limits_binding_and_expiry():
                                       session_max_age_s=100), clock)
     ids = {}
     for client in ("a", "a", "b"):
-        with store.reserve(client):
-            ids.setdefault(client, []).append(store.add(client, object()))
+        with store.reserve(client, 1) as slot:
+            ids.setdefault(client, []).append(store.add(slot, object()))
     with pytest.raises(TooManySessions, match="per-client"):
-        with store.reserve("a"):
-            pass
-    with store.reserve("c"):
-        ids["c"] = [store.add("c", object())]
-    with pytest.raises(TooManySessions, match="4 open sessions"):
-        with store.reserve("d"):
-            pass
+        store.reserve("a", 1)
+    with store.reserve("c", 1) as slot:
+        ids["c"] = [store.add(slot, object())]
+    with pytest.raises(ServerBusy, match="4 open sessions"):
+        store.reserve("d", 1)
     with pytest.raises(SessionNotFound):
         store.get("b", ids["a"][0])  # another client's session does not exist for b
     store.remove("a", ids["a"][0])
-    with store.reserve("d"):  # a slot is free again
+    with store.reserve("d", 1):  # a slot is free again
         pass
     clock.now += 9
     store.get("a", ids["a"][1])  # touching it keeps it alive

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 
 import pytest
 import torch
@@ -80,14 +81,20 @@ def test_bad_options_are_refused(tmp_path):
 
 @pytest.mark.parametrize("drafter,tli", [("moa", 0), ("moa", 1), ("eagle", 0), ("independent", 0)])
 def test_every_drafter_trains_and_logs(tmp_path, drafter, tli):
+    """Eight steps on one fixed batch: every logged number is finite and the loss goes down."""
     options = SMALL if drafter == "moa" else dict(intermediate_size=64)
-    trainer = Trainer(_config(tmp_path, drafter=drafter, tli=tli, steps=4, drafter_options=options),
-                      make_target("llama"), _examples(),
+    trainer = Trainer(_config(tmp_path, drafter=drafter, tli=tli, steps=8, drafter_options=options),
+                      make_target("llama"), _examples(2),
                       eval_examples=_examples(2))
     result = trainer.train()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [x["step"] for x in lines] == list(range(1, 9))
     assert {"loss", "kl", "feature", "lr", "grad_norm", "agreement"} <= set(lines[0])
+    for line in lines:
+        assert all(math.isfinite(line[key]) for key in ("loss", "kl", "feature", "grad_norm")), line
+    losses = [line["loss"] for line in lines]
+    assert losses[-1] < losses[0] and sum(losses[4:]) < sum(losses[:4]), losses
+    assert math.isfinite(result.final_loss) and result.final_loss == losses[-1]
     assert len(lines[0]["agreement"]) == 7 and len(result.eval_agreement) == 7
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
 

@@ -51,6 +51,7 @@ class BackendError(ValueError):
     """A request the backend refuses; `status` is the HTTP status the server answers with."""
 
     status = 400
+    headers: dict[str, str] = {}  # extra response headers (Retry-After)
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -62,6 +63,12 @@ class Conflict(BackendError):
     """The request contradicts the session's state (stale position, other root, other target)."""
 
     status = 409
+
+
+class SessionClosed(BackendError):
+    """The session was closed (by its client or by expiry) while the request waited for it."""
+
+    status = 404
 
 
 class BackendUnavailable(RuntimeError):
@@ -132,7 +139,10 @@ class TargetBackend(ABC):
         """Plain decoding, one token at a time (the "API call" baseline)."""
 
     def close(self, session: BackendSession) -> None:
-        session.cache = None
+        """Free the session's cache. Under the session's lock: a verify in flight finishes first,
+        one that comes after finds the session closed (SessionClosed, 404)."""
+        with session.lock:
+            session.cache = None
 
 
 class TransformersBackend(TargetBackend):
@@ -238,6 +248,8 @@ class TransformersBackend(TargetBackend):
 
     def _verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         started = time.perf_counter()
+        if session.cache is None:
+            raise SessionClosed("the session was closed (by its client or by expiry); reopen it")
         tokens, parents = request.tree.tokens, request.tree.parents
         key = (request.seq, tuple(tokens), tuple(parents))
         if session.last_request == key and session.last_response is not None:
@@ -251,17 +263,13 @@ class TransformersBackend(TargetBackend):
         if tokens[0] != root:
             raise Conflict(f"the tree's root token {tokens[0]} at position {seq} is not the target's token there "
                            f"({root}); reopen the session with the verified prefix")
-        depths = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depths[i] = depths[parents[i]] + 1
+        depths = request.tree.depths()
         if self._context is not None and seq + max(depths) >= self._context:
             raise BackendError(f"a draft of depth {max(depths)} at position {seq} runs past the target's context "
                                f"window ({self._context})")
         device = self.target.device
         tree = DraftTree(torch.tensor(tokens, device=device), list(parents), depths, [-1] * len(tokens))
         with self.lock, torch.no_grad():
-            if session.cache is None:
-                raise Conflict("session is closed")
             if seq < have:  # cut back to the client's position: the root is the token the target had there
                 session.tokens, session.pending = session.tokens[:seq], root
                 session.cache.rewind(0, seq)
@@ -406,6 +414,6 @@ BACKENDS = {"transformers": TransformersBackend, "vllm": VLLMBackend}
 
 
 def _sampling(options: SamplingOptions) -> SamplingParams | None:
-    if options.temperature == 0:
-        return None
-    return SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+    """The request's sampling parameters; None for greedy decoding."""
+    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+    return None if sampling.greedy else sampling

@@ -2,6 +2,7 @@
 
     vllm-moa serve                                   # demo target + its MoA drafters on 127.0.0.1:8000
     VLLM_MOA_TOKEN=... vllm-moa serve --host 0.0.0.0 --target path/to/target --drafter moa=path/to/drafter
+                                                     # (beyond loopback without tokens: refused unless --insecure)
     vllm-moa client --prompt "def read_config(path):"            # MoA drafter on this device
     vllm-moa client --prompt "..." --drafter api                  # the plain API-call baseline
 
@@ -39,7 +40,10 @@ def serve(
     drafter: list[str] = typer.Option([], help="Drafter the server keeps in sync, NAME=DIR or a shipped name "
                                                "(repeatable; MoA needs its LSA weights here). Default: the demo's "
                                                "moa-tli0 and moa-tli1 when serving the demo target."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on. Anything but loopback needs bearer tokens "
+                                               "(or --insecure)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow listening beyond loopback without bearer tokens "
+                                                            "(a trusted network only)."),
     port: int = typer.Option(8000, help="TCP port."),
     backend: str = typer.Option("transformers", help="Target backend: transformers | vllm."),
     device: str = typer.Option("cpu", help="transformers backend device: cpu | cuda | cuda:N."),
@@ -52,6 +56,15 @@ def serve(
     max_sessions: int = typer.Option(256, help="Open sessions in all."),
     max_sessions_per_client: int = typer.Option(64, help="Open sessions per client (its token, or its address "
                                                           "without tokens)."),
+    max_generations: int = typer.Option(16, help="/v1/generate calls in flight in all (keep it below the 40 "
+                                                 "worker threads)."),
+    max_generations_per_client: int = typer.Option(4, help="/v1/generate calls in flight per client."),
+    max_session_tokens: int = typer.Option(8192, help="Longest sequence (prompt + generated/verified tokens) of a "
+                                                      "session or generation; the target's context window caps it "
+                                                      "too."),
+    max_total_tokens: int = typer.Option(1 << 16, help="Tokens whose K/V the server holds at once, over all sessions "
+                                                       "and generations (size it to memory: per token, 2 x layers x "
+                                                       "kv_heads x head_dim x bytes per value)."),
     session_ttl: float = typer.Option(300.0, help="Seconds a session may stay idle."),
     session_max_age: float = typer.Option(3600.0, help="Seconds a session may live."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
@@ -68,7 +81,7 @@ def serve(
     from vllm_moa.demo import SHIPPED, drafter_directory
     from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
     from vllm_moa.serving.protocol import ServerLimits
-    from vllm_moa.serving.security import load_tokens
+    from vllm_moa.serving.security import check_exposure, is_loopback, load_tokens
     from vllm_moa.serving.server import create_app
     from vllm_moa.serving.server import serve as run
     from vllm_moa.target import UnsupportedTargetError
@@ -80,8 +93,11 @@ def serve(
         limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
                               max_draft_nodes=max_draft_nodes, max_new_tokens=max_new_tokens,
                               max_sessions=max_sessions, max_sessions_per_client=max_sessions_per_client,
+                              max_generations=max_generations, max_generations_per_client=max_generations_per_client,
+                              max_session_tokens=max_session_tokens, max_total_tokens=max_total_tokens,
                               session_idle_ttl_s=session_ttl, session_max_age_s=session_max_age)
         tokens = load_tokens(None, token_file, token_env)
+        check_exposure(host, bool(tokens), insecure)  # before any model is loaded
         demo = target is None
         target_dir = SHIPPED / "target" if demo else target
         specs = drafter or (["moa-tli0", "moa-tli1"] if demo else [])
@@ -102,13 +118,13 @@ def serve(
     except (ValueError, FileNotFoundError, DrafterConfigError, DrafterTargetMismatch, UnsupportedTargetError,
             BackendUnavailable, OSError) as err:
         _fail(str(err))
-    if not tokens and host not in ("127.0.0.1", "localhost", "::1"):
-        typer.secho(f"warning: listening on {host} without bearer tokens: anyone who can reach it may use it "
-                    f"(set {token_env} or --token-file)", fg=typer.colors.YELLOW, err=True)
+    if not tokens and not is_loopback(host):  # only with --insecure (check_exposure)
+        typer.secho(f"warning: listening on {host} without bearer tokens (--insecure): anyone who can reach it may "
+                    f"use it", fg=typer.colors.YELLOW, err=True)
     typer.echo(f"serving {engine.target.name} ({engine.name}, {device}) on http://{host}:{port} "
                f"with drafters: {', '.join(d.name for d in engine.drafters()) or 'none'}; "
                f"auth: {'bearer tokens' if tokens else 'off'}", err=True)
-    run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level)
+    run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level, insecure=insecure)
 
 
 def client(
@@ -124,7 +140,8 @@ def client(
     num_draft: int = typer.Option(0, help="Fixed draft depth (0 = adapt to round-trip time and acceptance)."),
     tree_top_k: int = typer.Option(0, help="Draft EAGLE-2 trees this wide (0 = chains)."),
     encoding: str = typer.Option("fp16", help="Drafter-sync payload: fp16 | int8."),
-    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding), as is "
+                                                "anything below 1e-5; at most 100."),
     top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
     top_p: float = typer.Option(1.0, help="Top-p warping (1 = off)."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),

@@ -26,6 +26,7 @@ unreachable for `give_up_after_s`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -203,13 +204,27 @@ class _Transport:
                 self.bytes_received += len(line) + 1
                 if line.strip():
                     try:
-                        yield json.loads(line)
+                        data = json.loads(line)
                     except ValueError as err:
                         raise _Transient(f"malformed stream line: {err}") from None
+                    if not isinstance(data, dict):
+                        raise _Transient(f"malformed stream line: {line[:100]!r}")
+                    if "error" in data:  # the server failed mid-stream (its status line had gone out)
+                        raise _Transient(f"server error mid-stream: {data['error']}")
+                    yield data
         except httpx.RequestError as err:
             raise _Transient(f"{type(err).__name__}: {err}") from None
         finally:
             response.close()
+
+
+@contextlib.contextmanager
+def _payload_errors() -> Iterator[None]:
+    """A sync payload the drafter cannot use is the server's fault: ProtocolError."""
+    try:
+        yield
+    except PayloadError as err:
+        raise ProtocolError(f"unusable sync payload: {err}") from None
 
 
 def _message(response: httpx.Response) -> str:
@@ -373,11 +388,13 @@ class RemoteDraftingClient:
         response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
         run.result.server_seconds += response.server_ms / 1e3
         sync = self._decode(response.sync, 0, len(run.prompt))
-        run.local.start(run.prompt, sync)
+        first = self._token(response.first_token, "first token")
+        with _payload_errors():
+            run.local.start(run.prompt, sync)
         run.session_id, run.seq = response.session_id, response.length
         if run.seq != len(run.prompt):
             raise ProtocolError(f"server ran {run.seq} prompt tokens, the prompt has {len(run.prompt)}")
-        return response.first_token
+        return first
 
     def _reopen(self, run: _Run) -> None:
         """The server lost the session (or we are out of step): open one at our verified prefix."""
@@ -413,11 +430,20 @@ class RemoteDraftingClient:
     def _decode(self, sync, start: int, count: int):
         if sync.start != start or sync.count != count:
             raise ProtocolError(f"sync payload covers {sync.start}+{sync.count}, expected {start}+{count}")
-        try:
-            return decode_sync(sync, self.target.dtype if self.target is not None else torch.float32,
-                               self.target.device if self.target is not None else torch.device("cpu"))
-        except PayloadError as err:
-            raise ProtocolError(f"undecodable sync payload: {err}") from None
+        target = self.target
+        with _payload_errors():
+            return decode_sync(sync, target.dtype if target is not None else torch.float32,
+                               target.device if target is not None else torch.device("cpu"),
+                               target.signature if target is not None else None)
+
+    def _token(self, token, what: str) -> int:
+        """A token id from the server, checked against its target's vocabulary."""
+        vocab = self._info.target.get("vocab_size") if self._info is not None else None
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                isinstance(vocab, int) and token >= vocab):
+            raise ProtocolError(f"the server's {what} {token!r} is not a token id of its target's vocabulary "
+                                f"[0, {vocab if isinstance(vocab, int) else '?'})")
+        return token
 
     def _online_step(self, run: _Run, max_nodes: int, context: int | None) -> Iterator[StreamEvent]:
         pending, tail = run.out[run.nv - 1], run.out[run.nv:]
@@ -470,7 +496,9 @@ class RemoteDraftingClient:
                 or response.accepted != [tokens[n] for n in path[1:]] or response.seq != run.seq + len(path)):
             raise ProtocolError(f"verify response does not fit the draft: path {path}, seq {response.seq}")
         sync = self._decode(response.sync, run.seq, len(path))
-        run.local.accept(tree, path, sync)
+        nxt = self._token(response.next_token, "next token")
+        with _payload_errors():
+            run.local.accept(tree, path, sync)
         run.seq = response.seq
         depth = max(tree.depths)
         result = run.result
@@ -482,7 +510,7 @@ class RemoteDraftingClient:
             run.controller.observe_acceptance(depth, len(path) - 1)
         run.controller.observe_timing(depth, wall, response.server_ms / 1e3, draft_s)
         old_out, old_nv = list(run.out), run.nv
-        accepted, nxt = response.accepted, response.next_token
+        accepted = response.accepted
         if fresh:
             out, nv = run.out + accepted + [nxt], run.nv + len(accepted) + 1
         else:
@@ -569,8 +597,10 @@ class RemoteDraftingClient:
             try:
                 for line in self.transport.stream_lines("/v1/generate", body):
                     if "tokens" in line:
-                        yield from self._diff(run, list(run.out), run.nv, run.out + list(line["tokens"]),
-                                              run.nv + len(line["tokens"]))
+                        if not isinstance(line["tokens"], list):
+                            raise ProtocolError(f"stream line without a token list: {line!r:.200}")
+                        new = [self._token(t, "generated token") for t in line["tokens"]]
+                        yield from self._diff(run, list(run.out), run.nv, run.out + new, run.nv + len(new))
                     elif line.get("done"):
                         run.result.server_seconds += float(line.get("server_ms", 0.0)) / 1e3
                         if not run.done and line.get("finish_reason") == "eos":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vllm_moa.config import TargetSignature
 from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession, NgramSession
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
@@ -46,21 +47,25 @@ class SyncTensors:
     hidden: Tensor | None = None
 
 
-def decode_sync(sync: SyncPayload, dtype: torch.dtype, device: torch.device) -> SyncTensors:
-    """Decode and shape-check a payload (a malformed one raises PayloadError)."""
+def decode_sync(sync: SyncPayload, dtype: torch.dtype, device: torch.device,
+                signature: TargetSignature | None = None) -> SyncTensors:
+    """Decode and shape-check a payload (a malformed one raises PayloadError). With the target's
+    `signature` the widths are checked too: rows / hidden [n, E], TLI K/V [tli, H_kv, n, d]."""
     out = SyncTensors(sync.start, sync.count)
     for name in ("rows", "hidden"):
         enc = getattr(sync, name)
         if enc is not None:
             t = decode(enc, dtype, device)
-            if t.dim() != 2 or t.shape[0] != sync.count:
-                raise PayloadError(f"sync {name} has shape {list(t.shape)} for {sync.count} tokens")
+            if t.dim() != 2 or t.shape[0] != sync.count or (signature and t.shape[1] != signature.hidden_size):
+                width = f" (the target's width is {signature.hidden_size})" if signature else ""
+                raise PayloadError(f"sync {name} has shape {list(t.shape)} for {sync.count} tokens{width}")
             setattr(out, name, t[None])
     if (sync.tli_keys is None) != (sync.tli_values is None):
         raise PayloadError("sync has TLI keys without values (or values without keys)")
     if sync.tli_keys is not None:
         k, v = decode(sync.tli_keys, dtype, device), decode(sync.tli_values, dtype, device)
-        if k.dim() != 4 or k.shape != v.shape or k.shape[2] != sync.count:
+        if k.dim() != 4 or k.shape != v.shape or k.shape[2] != sync.count or (
+                signature and (k.shape[1], k.shape[3]) != (signature.num_kv_heads, signature.head_dim)):
             raise PayloadError(f"sync TLI K/V have shapes {list(k.shape)}, {list(v.shape)} for {sync.count} tokens")
         out.tli_keys = [x[None] for x in k.unbind(0)]
         out.tli_values = [x[None] for x in v.unbind(0)]
@@ -124,11 +129,17 @@ class LocalMoA(MoASession, _Local):
         return DrafterDecl(kind="moa", target=self.drafter.config.target_signature.to_dict(),
                            lsa_fingerprint=self.fingerprint, tli=self.drafter.tli)
 
+    def _check(self, sync: SyncTensors) -> None:
+        if sync.rows is None or (self.drafter.tli > 0 and sync.tli_keys is None):
+            raise PayloadError("the server sent no MoA rows (or no TLI K/V) for verified tokens")
+        if len(sync.tli_keys or []) != self.drafter.tli:
+            raise PayloadError(f"the server sent K/V of {len(sync.tli_keys or [])} target layers; the drafter runs "
+                               f"the last {self.drafter.tli}")
+
     def _extend(self, sync: SyncTensors) -> None:
         if sync.count == 0:
             return
-        if sync.rows is None or (self.drafter.tli > 0 and sync.tli_keys is None):
-            raise PayloadError("the server sent no MoA rows (or no TLI K/V) for verified tokens")
+        self._check(sync)
         self.drafter.extend_rows(self.state, sync.rows, sync.tli_keys or [], sync.tli_values or [])
         self.verified = self.state.num_verified
 
@@ -137,8 +148,7 @@ class LocalMoA(MoASession, _Local):
         self.drafter.feed(self.state, torch.tensor([prompt], device=self.device), self.target)
 
     def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        if sync.rows is None or (self.drafter.tli > 0 and sync.tli_keys is None):
-            raise PayloadError("the server sent no MoA rows (or no TLI K/V) for verified tokens")
+        self._check(sync)
         self.accept_rows(tree, path, sync.rows, sync.tli_keys or [], sync.tli_values or [])
         self.verified = self.state.num_verified
         self.fed = []

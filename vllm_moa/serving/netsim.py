@@ -55,6 +55,7 @@ class NetStats:
     connections: int = 0
     refused: int = 0
     cuts: int = 0
+    reset_connections: int = 0  # open connections that cuts reset
     lost_chunks: int = 0
 
 
@@ -224,6 +225,7 @@ class NetSim:
 
     def _cut_all(self) -> None:
         self.stats.cuts += 1
+        self.stats.reset_connections += len(self._conns)
         for conn in list(self._conns):
             conn.abort()
         self._conns.clear()

@@ -6,7 +6,8 @@
     POST   /v1/sessions/{id}/verify           VerifyRequest -> VerifyResponse (one draft tree)
     DELETE /v1/sessions/{id}                  close
     POST   /v1/generate                       GenerateRequest -> GenerateResponse, or NDJSON lines
-                                              (stream=true): the plain "API call" baseline
+                                              (stream=true; a failure mid-stream ends it with an
+                                              {"error": ...} line): the plain "API call" baseline
 
 A session is one sequence on the server: the target's KV cache of the tokens it has run
 (`length` of them: the prompt, then verified tokens) and its `pending` token (its own latest
@@ -23,7 +24,11 @@ count of tokens the target has run. The server answers deterministically from (s
   reopens the session with its verified prefix (OpenRequest.pending, .sync_from).
 
 Every request model is strict (no type coercion, no unknown keys) and bounded; the server's
-configured limits (`ServerLimits`) are checked on top, each refusal a 4xx with a message.
+configured limits (`ServerLimits`) are checked on top, each refusal a 4xx with a message: 413 for
+a request larger than a limit (prompt, draft, max_tokens, a sequence longer than
+`InfoResponse.context_window`), 429 when a client is at its own limit (sessions, generations in
+flight), 503 with Retry-After when the server as a whole is (sessions, generations in flight,
+the token budget `max_total_tokens`: K/V held at once over all sessions and generations).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_moa.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 PROTOCOL = "moa-serve/1"
 
@@ -60,15 +67,23 @@ class ServerLimits(BaseModel):
     max_new_tokens: int = Field(1024, ge=1, le=HARD_MAX_TOKENS)
     max_sessions: int = Field(256, ge=1)
     max_sessions_per_client: int = Field(64, ge=1)
+    max_generations: int = Field(16, ge=1)  # /v1/generate calls in flight (each holds a worker thread)
+    max_generations_per_client: int = Field(4, ge=1)
+    max_session_tokens: int = Field(8192, ge=2)  # longest sequence (session or generation), under the context window
+    max_total_tokens: int = Field(1 << 16, ge=2)  # tokens whose K/V the server holds at once, over everything
     session_idle_ttl_s: float = Field(300.0, gt=0)
     session_max_age_s: float = Field(3600.0, gt=0)
 
 
 class SamplingOptions(_Request):
-    """temperature 0 = greedy (the default). Otherwise the server samples losslessly
-    (decoding/verify.sampled_accept) with its own per-session generator, seeded by `seed`."""
+    """temperature 0 = greedy (the default), as is any temperature below MIN_TEMPERATURE (1e-5);
+    at most MAX_TEMPERATURE (100), finite (decoding/sampling.py defines the range). Otherwise the
+    server samples losslessly (decoding/verify.sampled_accept) with its own per-session generator,
+    seeded by `seed`."""
 
-    temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                               description=f"0 = greedy (so is anything below {MIN_TEMPERATURE:g}); at most "
+                                           f"{MAX_TEMPERATURE:g}")
     top_k: int = Field(0, ge=0, lt=INT32)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -131,6 +146,13 @@ class DraftTreeIn(_Request):
             if not 0 <= parent < i:
                 raise ValueError(f"tree node {i} has parent {parent}: parents must come before children")
         return self
+
+    def depths(self) -> list[int]:
+        """Each node's depth below the root."""
+        depths = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            depths[i] = depths[self.parents[i]] + 1
+        return depths
 
 
 class VerifyRequest(_Request):
@@ -209,7 +231,7 @@ class InfoResponse(BaseModel):
     protocol: str
     backend: str
     target: dict
-    context_window: int | None
+    context_window: int | None  # the longest sequence served: the target's window capped by max_session_tokens
     drafters: list[DrafterInfo]
     limits: ServerLimits
 

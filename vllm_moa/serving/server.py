@@ -1,8 +1,15 @@
 """The verification server: a FastAPI app over a `TargetBackend` (protocol.py lists the routes).
 
-Handlers are plain functions (FastAPI runs them in its thread pool); the backend serialises target
-forwards, so many sessions interleave round by round. Every refusal is a 4xx with
-{"error": message}; anything unexpected is logged and answered 500 without killing the server.
+Handlers are async: parsing, auth and admission run on the event loop and answer at once; only
+target work (prefill, verify, generation, freeing a session) goes to a worker thread, and the
+backend serialises target forwards, so many sessions interleave round by round. So /v1/health and
+every refusal are answered even while all workers wait for the target; authentication is an ASGI
+middleware that answers before the body is read (security.py); /v1/generate calls are admitted (in
+all and per client) before they take a worker for long. Memory is bounded by a token budget over
+all sessions and generations, and each sequence by `max_session_tokens` and the target's context
+window (sessions.py). Every refusal is a 4xx (a 503 when the server as a whole is at a limit)
+with {"error": message}; anything unexpected is logged and answered 500 without killing the
+server.
 
     create_app(backend, limits, tokens)   the ASGI app
     serve(...)                            run it with uvicorn (the `vllm-moa serve` command)
@@ -24,6 +31,7 @@ from collections.abc import Callable, Iterator
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException  # routing's 404/405 too, not only FastAPI's own
 
 from vllm_moa.serving.backend import BackendError, TargetBackend
@@ -39,13 +47,13 @@ from vllm_moa.serving.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
-from vllm_moa.serving.security import BearerAuth, BodyLimitMiddleware
-from vllm_moa.serving.sessions import SessionStore
+from vllm_moa.serving.security import AuthMiddleware, BearerAuth, BodyLimitMiddleware, check_exposure, client_key
+from vllm_moa.serving.sessions import SessionStore, Slot
 
 log = logging.getLogger("vllm_moa.serving")
 
 SessionId = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
 
 
 def create_app(backend: TargetBackend, limits: ServerLimits | None = None, tokens: list[str] | None = None,
@@ -54,14 +62,22 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     auth = BearerAuth(tokens or [])
     store = SessionStore(limits, clock)
     period = reap_every_s or max(0.5, min(limits.session_idle_ttl_s / 4, 30.0))
+    # the longest sequence served: the target's context window, capped by the configured limit
+    # (a target that declares no window is bounded by the limit alone)
+    window = min(w for w in (backend.context_window, limits.max_session_tokens) if w is not None)
+
+    def close_all(sessions: list) -> None:
+        for session in sessions:
+            backend.close(session)  # takes the session's lock: waits for a verify in flight
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async def reaper() -> None:
             while True:
                 await asyncio.sleep(period)
-                for session in store.reap():
-                    backend.close(session)
+                expired = store.reap()
+                if expired:
+                    await run_in_threadpool(close_all, expired)
 
         task = asyncio.create_task(reaper())
         try:
@@ -72,12 +88,13 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     app = FastAPI(title="vllm-moa verification server", version=PROTOCOL, lifespan=lifespan,
                   description="Mixture-of-Attentions client-server speculative decoding: the client drafts, "
                               "this server verifies with the target and keeps the client's drafter in sync.")
-    app.state.store, app.state.backend, app.state.limits = store, backend, limits
+    app.state.store, app.state.backend, app.state.limits, app.state.auth = store, backend, limits, auth
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(AuthMiddleware, auth=auth)  # outermost: nothing is read before the token is checked
 
     @app.exception_handler(BackendError)
     async def _backend_error(request: Request, err: BackendError) -> JSONResponse:
-        return JSONResponse({"error": str(err)}, status_code=err.status)
+        return JSONResponse({"error": str(err)}, status_code=err.status, headers=err.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -96,52 +113,81 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return JSONResponse({"error": f"internal error ({type(err).__name__})"}, status_code=500)
 
+    def too_long(what: str, tokens: int) -> BackendError:
+        return BackendError(f"{what} would hold {tokens} tokens; this server keeps at most {window} per sequence "
+                            f"(the target's context window capped by max_session_tokens)", status=413)
+
+    def check_prompt(prompt: list[int]) -> None:
+        if len(prompt) > limits.max_prompt_tokens:
+            raise BackendError(f"prompt has {len(prompt)} tokens; this server accepts at most "
+                               f"{limits.max_prompt_tokens}", status=413)
+
     @app.get("/v1/health")
-    def health() -> dict:
+    async def health() -> dict:  # async: answered on the event loop, never behind busy workers
         return {"status": "ok", "protocol": PROTOCOL}
 
     @app.get("/v1/info", response_model=InfoResponse, responses=_ERRORS)
-    def info(client: str = Depends(auth)) -> InfoResponse:
+    async def info(client: str = Depends(client_key)) -> InfoResponse:
         return InfoResponse(protocol=PROTOCOL, backend=backend.name, target=backend.signature.to_dict(),
-                            context_window=backend.context_window, drafters=backend.drafters(), limits=limits)
+                            context_window=window, drafters=backend.drafters(), limits=limits)
 
+    # Handlers are async: validation, auth and admission run on the event loop and answer at once,
+    # even when every worker thread waits for the target; only target work goes to a worker.
     @app.post("/v1/sessions", response_model=OpenResponse, responses=_ERRORS)
-    def open_session(request: OpenRequest, client: str = Depends(auth)) -> OpenResponse:
-        if len(request.prompt) > limits.max_prompt_tokens:
-            raise BackendError(f"prompt has {len(request.prompt)} tokens; this server accepts at most "
-                               f"{limits.max_prompt_tokens}", status=413)
-        with store.reserve(client):
-            session, response = backend.open(request)
-            session_id = store.add(client, session)
+    async def open_session(request: OpenRequest, client: str = Depends(client_key)) -> OpenResponse:
+        check_prompt(request.prompt)
+        if len(request.prompt) + 1 > window:  # the prompt and the target's next token
+            raise too_long("the session", len(request.prompt) + 1)
+        with store.reserve(client, len(request.prompt)) as slot:
+            session, response = await run_in_threadpool(backend.open, request)
+            session_id = store.add(slot, session)
         return response.model_copy(update={"session_id": session_id, "idle_ttl_s": limits.session_idle_ttl_s})
 
     @app.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse, responses=_ERRORS)
-    def verify(request: VerifyRequest, session_id: str = SessionId, client: str = Depends(auth)) -> VerifyResponse:
-        drafted = len(request.tree.tokens) - 1
-        if drafted > limits.max_draft_nodes:
-            raise BackendError(f"the draft has {drafted} nodes; this server verifies at most "
+    async def verify(request: VerifyRequest, session_id: str = SessionId,
+                     client: str = Depends(client_key)) -> VerifyResponse:
+        nodes = len(request.tree.tokens)
+        if nodes - 1 > limits.max_draft_nodes:
+            raise BackendError(f"the draft has {nodes - 1} nodes; this server verifies at most "
                                f"{limits.max_draft_nodes} per request", status=413)
-        return backend.verify(store.get(client, session_id), request)
+        depth = max(request.tree.depths())
+        if request.seq + depth + 1 > window:  # the accepted path can reach seq + depth + 1 tokens
+            raise too_long(f"a draft of depth {depth} at position {request.seq}", request.seq + depth + 1)
+        session = store.get(client, session_id)
+        store.charge(session_id, request.seq + nodes)  # the draft's K/V is written after the root's position
+        try:
+            return await run_in_threadpool(backend.verify, session, request)
+        finally:
+            store.settle(session_id, len(session.tokens))
 
     @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
-    def close_session(session_id: str = SessionId, client: str = Depends(auth)) -> dict:
-        backend.close(store.remove(client, session_id))
+    async def close_session(session_id: str = SessionId, client: str = Depends(client_key)) -> dict:
+        await run_in_threadpool(backend.close, store.remove(client, session_id))
         return {"closed": session_id}
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses=_ERRORS)
-    def generate(request: GenerateRequest, client: str = Depends(auth)):
-        if len(request.prompt) > limits.max_prompt_tokens:
-            raise BackendError(f"prompt has {len(request.prompt)} tokens; this server accepts at most "
-                               f"{limits.max_prompt_tokens}", status=413)
+    async def generate(request: GenerateRequest, client: str = Depends(client_key)):
+        check_prompt(request.prompt)
         if request.max_tokens > limits.max_new_tokens:
             raise BackendError(f"max_tokens={request.max_tokens} exceeds this server's limit of "
                                f"{limits.max_new_tokens}", status=413)
-        started = time.perf_counter()
-        tokens = backend.generate(request)  # validates before the first token
+        length = len(request.prompt) + request.max_tokens
+        if length > window:
+            raise too_long(f"prompt ({len(request.prompt)} tokens) + max_tokens={request.max_tokens}", length)
+        slot = store.admit_generation(client, length)
+        try:
+            started = time.perf_counter()
+            tokens = backend.generate(request)  # validates before the first token
+            first = await run_in_threadpool(next, tokens)  # before answering: a failure here still gets its status
+        except BaseException:
+            slot.release()
+            raise
         if request.stream:
-            return StreamingResponse(_ndjson(tokens, request.eos_token_id, started),
-                                     media_type="application/x-ndjson")
-        out = list(tokens)
+            return _TokenStream(_ndjson(first, tokens, request.eos_token_id, started), slot)
+        try:
+            out = [first, *await run_in_threadpool(list, tokens)]
+        finally:
+            slot.release()
         return GenerateResponse(tokens=out, finish_reason=_finish(out, request.eos_token_id),
                                 server_ms=1e3 * (time.perf_counter() - started))
 
@@ -152,21 +198,50 @@ def _finish(tokens: list[int], eos: int | None) -> str:
     return "eos" if tokens and eos is not None and tokens[-1] == eos else "length"
 
 
-def _ndjson(tokens: Iterator[int], eos: int | None, started: float) -> Iterator[bytes]:
-    """One line per token, then a closing line with the finish reason."""
-    out = []
-    for token in tokens:
-        out.append(token)
-        yield (json.dumps({"tokens": [token]}) + "\n").encode()
-    yield (json.dumps({"done": True, "finish_reason": _finish(out, eos),
-                       "server_ms": 1e3 * (time.perf_counter() - started)}) + "\n").encode()
+def _ndjson(first: int, tokens: Iterator[int], eos: int | None, started: float) -> Iterator[bytes]:
+    """One line per token, then a closing line with the finish reason; a failure mid-way ends the
+    stream with an {"error": ...} line (the status line has gone out already)."""
+    out = [first]
+    try:
+        yield (json.dumps({"tokens": [first]}) + "\n").encode()
+        for token in tokens:
+            out.append(token)
+            yield (json.dumps({"tokens": [token]}) + "\n").encode()
+        yield (json.dumps({"done": True, "finish_reason": _finish(out, eos),
+                           "server_ms": 1e3 * (time.perf_counter() - started)}) + "\n").encode()
+    except Exception as err:  # noqa: BLE001 - reported to the client in-band, logged here
+        log.exception("unexpected error while streaming a generation")
+        yield (json.dumps({"error": f"internal error ({type(err).__name__})"}) + "\n").encode()
+    finally:
+        tokens.close()  # the generation stops here and frees its cache
+
+
+class _TokenStream(StreamingResponse):
+    """A streamed generation. However the response ends (done, failed, or the client hung up),
+    the generation is closed and its admission slot given back at once, not whenever the garbage
+    collector finds the abandoned iterator."""
+
+    def __init__(self, lines: Iterator[bytes], slot: Slot) -> None:
+        super().__init__(lines, media_type="application/x-ndjson")
+        self._lines, self._slot = lines, slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+            with contextlib.suppress(ValueError):  # "generator already executing": it ends by itself
+                self._lines.close()
 
 
 # -- running it -------------------------------------------------------------------------------
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the app with uvicorn until interrupted (HTTP/1.1 keep-alive)."""
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          insecure: bool = False) -> None:
+    """Run the app with uvicorn until interrupted (HTTP/1.1 keep-alive). Without bearer tokens it
+    listens only on loopback unless `insecure` (security.check_exposure)."""
     import uvicorn
 
+    check_exposure(host, app.state.auth.enabled, insecure)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=75)
 
 

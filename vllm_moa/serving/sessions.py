@@ -1,17 +1,26 @@
-"""The server's session table: unguessable ids bound to the client that opened them, limits on
-sessions in all and per client (a slot is reserved before the prefill runs, so a burst of opens
-cannot overshoot), and expiry (idle TTL and maximum age), enforced on access and by a reaper.
+"""What the server holds, and for whom: its sessions (unguessable ids bound to the client that
+opened them, expiring after an idle TTL and a maximum age, enforced on access and by a reaper)
+and its running /v1/generate calls, with their limits:
+
+* counts: sessions in all and per client; generations in flight in all and per client;
+* memory: a token budget over everything held at once. Each session counts the tokens whose K/V
+  the target keeps for it (its length; during a verify, its length at the draft's root plus the
+  draft); each generation counts its prompt plus its max_tokens from the start.
+
+A slot is taken before any work runs (before the prefill, before the first generated token), so a
+burst cannot overshoot. Server-wide limits answer 503 (Retry-After: the server is busy now); a
+client's own limits answer 429.
 
 `clock` is injectable so that tests can move time instead of sleeping.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_moa.serving.backend import BackendError, BackendSession
@@ -23,7 +32,16 @@ class SessionNotFound(BackendError):
 
 
 class TooManySessions(BackendError):
+    """A client's own limit (its sessions, its generations in flight)."""
+
     status = 429
+
+
+class ServerBusy(BackendError):
+    """A server-wide limit (sessions, generations in flight, the token budget): retry later."""
+
+    status = 503
+    headers = {"Retry-After": "1"}
 
 
 @dataclass
@@ -32,51 +50,115 @@ class _Entry:
     client: str
     created: float
     last_used: float
+    tokens: int  # K/V the target holds for it (budget)
+
+
+@dataclass
+class _Hold:
+    client: str
+    kind: str  # "session" (being opened) | "generation" (running)
+    tokens: int
+
+
+class Slot:
+    """A reservation (a session being opened, a running generation); `release()` is idempotent."""
+
+    def __init__(self, store: "SessionStore", key: int) -> None:
+        self.store, self.key = store, key
+
+    def release(self) -> None:
+        self.store._release(self.key)
+
+    def __enter__(self) -> "Slot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class SessionStore:
     def __init__(self, limits: ServerLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits, self.clock = limits, clock
         self._entries: dict[str, _Entry] = {}
-        self._reserved: dict[str, int] = {}
+        self._holds: dict[int, _Hold] = {}
+        self._keys = itertools.count()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def count(self, client: str) -> int:
+    def count(self, client: str, kind: str = "session") -> int:
         with self._lock:
-            return self._count(client)
+            return self._count(client, kind)
 
-    def _count(self, client: str) -> int:
-        return sum(1 for e in self._entries.values() if e.client == client) + self._reserved.get(client, 0)
+    def generations(self) -> int:
+        with self._lock:
+            return sum(1 for h in self._holds.values() if h.kind == "generation")
 
-    @contextmanager
-    def reserve(self, client: str) -> Iterator[None]:
-        """Hold a session slot for `client` while its session is being built."""
+    def tokens_held(self) -> int:
+        with self._lock:
+            return self._tokens()
+
+    def _count(self, client: str | None, kind: str) -> int:
+        held = sum(1 for h in self._holds.values() if h.kind == kind and client in (None, h.client))
+        if kind == "session":
+            held += sum(1 for e in self._entries.values() if client in (None, e.client))
+        return held
+
+    def _tokens(self) -> int:
+        return sum(e.tokens for e in self._entries.values()) + sum(h.tokens for h in self._holds.values())
+
+    def _check_budget(self, more: int) -> None:
+        held, budget = self._tokens(), self.limits.max_total_tokens
+        if held + more > budget:
+            raise ServerBusy(f"the server holds K/V for {held} tokens and this needs {more} more: over its budget of "
+                             f"{budget} tokens (max_total_tokens); retry later")
+
+    # -- reservations ------------------------------------------------------------------------------
+    def reserve(self, client: str, tokens: int) -> Slot:
+        """A session slot for `client` while its session (of `tokens` tokens) is being built:
+        `with store.reserve(client, n) as slot: ... store.add(slot, session)`."""
         self.reap()
+        limits = self.limits
         with self._lock:
-            if len(self._entries) + sum(self._reserved.values()) >= self.limits.max_sessions:
-                raise TooManySessions(f"the server has {self.limits.max_sessions} open sessions (its limit); "
-                                      "close one or retry later")
-            if self._count(client) >= self.limits.max_sessions_per_client:
-                raise TooManySessions(f"this client has {self.limits.max_sessions_per_client} open sessions "
+            if self._count(client, "session") >= limits.max_sessions_per_client:
+                raise TooManySessions(f"this client has {limits.max_sessions_per_client} open sessions "
                                       "(the per-client limit); close one first")
-            self._reserved[client] = self._reserved.get(client, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._reserved[client] -= 1
-                if not self._reserved[client]:
-                    del self._reserved[client]
+            if self._count(None, "session") >= limits.max_sessions:
+                raise ServerBusy(f"the server has {limits.max_sessions} open sessions (its limit); retry later")
+            self._check_budget(tokens)
+            return self._hold(client, "session", tokens)
 
-    def add(self, client: str, session: BackendSession) -> str:
-        """Register a built session (inside `reserve`); returns its id."""
+    def admit_generation(self, client: str, tokens: int) -> Slot:
+        """A slot for a /v1/generate call that may hold `tokens` tokens; release it when it ends."""
+        limits = self.limits
+        with self._lock:
+            if self._count(client, "generation") >= limits.max_generations_per_client:
+                raise TooManySessions(f"this client has {limits.max_generations_per_client} generations running "
+                                      "(the per-client limit); wait for one to finish")
+            if self._count(None, "generation") >= limits.max_generations:
+                raise ServerBusy(f"the server is running {limits.max_generations} generations (its limit); "
+                                 "retry later")
+            self._check_budget(tokens)
+            return self._hold(client, "generation", tokens)
+
+    def _hold(self, client: str, kind: str, tokens: int) -> Slot:
+        key = next(self._keys)
+        self._holds[key] = _Hold(client, kind, tokens)
+        return Slot(self, key)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._holds.pop(key, None)
+
+    # -- sessions --------------------------------------------------------------------------------
+    def add(self, slot: Slot, session: BackendSession) -> str:
+        """Register the session built under `slot` (its reservation becomes the session); returns its id."""
         now = self.clock()
         session_id = secrets.token_urlsafe(18)
         with self._lock:
-            self._entries[session_id] = _Entry(session, client, now, now)
+            hold = self._holds.pop(slot.key)
+            self._entries[session_id] = _Entry(session, hold.client, now, now, hold.tokens)
         return session_id
 
     def get(self, client: str, session_id: str) -> BackendSession:
@@ -90,6 +172,23 @@ class SessionStore:
                 raise SessionNotFound(f"session {session_id!r} expired")
             entry.last_used = now
             return entry.session
+
+    def charge(self, session_id: str, tokens: int) -> None:
+        """The session is about to hold up to `tokens` tokens (a verify: its draft's root position
+        plus the draft); refused when that would exceed the server's budget."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or tokens <= entry.tokens:
+                return
+            self._check_budget(tokens - entry.tokens)
+            entry.tokens = tokens
+
+    def settle(self, session_id: str, tokens: int) -> None:
+        """The session now holds `tokens` tokens."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is not None:
+                entry.tokens = tokens
 
     def remove(self, client: str, session_id: str) -> BackendSession:
         with self._lock:
