@@ -204,9 +204,7 @@ def moa_server(tmp_path_factory):
     import signal
     import socket
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import httpx
 
@@ -266,8 +264,6 @@ def test_vllm_serve_answers_completion_and_chat_with_moa(moa_server):
 def test_vllm_serve_refuses_a_bad_drafter_and_exits():
     import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     command = serve_command("--host", "127.0.0.1", "--port", "0", "--dtype", "float32", "--enforce-eager",
                             "--speculative-config", json.dumps(moa(3, str(DEMO / "eagle"))))
