@@ -120,27 +120,29 @@ class SessionStore:
         `with store.reserve(client, n) as slot: ... store.add(slot, session)`."""
         self.reap()
         limits = self.limits
-        with self._lock:
-            if self._count(client, "session") >= limits.max_sessions_per_client:
-                raise TooManySessions(f"this client has {limits.max_sessions_per_client} open sessions "
-                                      "(the per-client limit); close one first")
-            if self._count(None, "session") >= limits.max_sessions:
-                raise ServerBusy(f"the server has {limits.max_sessions} open sessions (its limit); retry later")
-            self._check_budget(tokens)
-            return self._hold(client, "session", tokens)
+        return self._admit(client, "session", tokens, limits.max_sessions_per_client, limits.max_sessions,
+                           f"this client has {limits.max_sessions_per_client} open sessions (the per-client "
+                           "limit); close one first",
+                           f"the server has {limits.max_sessions} open sessions (its limit); retry later")
 
     def admit_generation(self, client: str, tokens: int) -> Slot:
         """A slot for a /v1/generate call that may hold `tokens` tokens; release it when it ends."""
         limits = self.limits
+        return self._admit(client, "generation", tokens, limits.max_generations_per_client, limits.max_generations,
+                           f"this client has {limits.max_generations_per_client} generations running (the "
+                           "per-client limit); wait for one to finish",
+                           f"the server is running {limits.max_generations} generations (its limit); retry later")
+
+    def _admit(self, client: str, kind: str, tokens: int, per_client: int, overall: int,
+               per_client_message: str, overall_message: str) -> Slot:
+        """Hold a slot of `kind` if the client's count, the server's count and the token budget allow."""
         with self._lock:
-            if self._count(client, "generation") >= limits.max_generations_per_client:
-                raise TooManySessions(f"this client has {limits.max_generations_per_client} generations running "
-                                      "(the per-client limit); wait for one to finish")
-            if self._count(None, "generation") >= limits.max_generations:
-                raise ServerBusy(f"the server is running {limits.max_generations} generations (its limit); "
-                                 "retry later")
+            if self._count(client, kind) >= per_client:
+                raise TooManySessions(per_client_message)
+            if self._count(None, kind) >= overall:
+                raise ServerBusy(overall_message)
             self._check_budget(tokens)
-            return self._hold(client, "generation", tokens)
+            return self._hold(client, kind, tokens)
 
     def _hold(self, client: str, kind: str, tokens: int) -> Slot:
         key = next(self._keys)
