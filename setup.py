@@ -52,8 +52,10 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir={"vllm_moa.kernels": "kernels"},
-    # the demo target + drafters (fp16, < 20 MB), built by vllm_moa/recipes/stdlib_demo.py
-    package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*.md", "assets/demo/*/*"]},
+    # the demo target + drafters (fp16, < 20 MB), built by vllm_moa/recipes/stdlib_demo.py, and the
+    # SmolLM2 drafters (fp16), built by vllm_moa/recipes/smollm2.py (the target itself is fetched)
+    package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*.md", "assets/demo/*/*",
+                               "assets/smollm2/*.json", "assets/smollm2/*.md", "assets/smollm2/*/*"]},
     install_requires=CORE_REQUIRES,
     extras_require=EXTRAS,
     entry_points={

@@ -1,12 +1,15 @@
-"""The transformers runtime on the shipped demo models, on this machine (CPU by default): plain
-decoding against n-gram, independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of
-K in {3, 5, 7} and as an EAGLE-2 tree, greedy, batch 1.
+"""The transformers runtime on this machine (CPU by default): plain decoding against n-gram,
+independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of K in {3, 5, 7} and as an
+EAGLE-2 tree, greedy, batch 1. Targets: the shipped demo models, or SmolLM2-135M-Instruct with
+the drafters shipped for it (vllm_moa/assets/smollm2).
 
     python benchmarks/runtime_cpu.py [--prompts spec_bench/question.jsonl] [--num-prompts 16]
                                      [--max-new-tokens 96] [--profile]
+    python benchmarks/runtime_cpu.py --target smollm2 --prompts ../shared/data/specbench/mt_bench/question.jsonl \
+                                     --drafters moa-tli0 eagle ngram --chains 3 5 --num-prompts 8
 
 Prompts: held-out stdlib files (vllm_moa/assets/demo/heldout_prompts.json), or any Spec-Bench
-jsonl given with --prompts. For each prompt, plain decoding and every configuration run back to
+jsonl given with --prompts (through the chat template for SmolLM2). For each prompt, plain decoding and every configuration run back to
 back in the same process (so a noisy neighbour slows both), and every output is checked equal to
 plain greedy decoding. Reports acceptance length, per-position acceptance, tokens/s and the
 speedup over plain decoding (total plain time / total speculative time, each configuration
@@ -20,7 +23,6 @@ import argparse
 import cProfile
 import io
 import json
-import platform
 import pstats
 import statistics
 import time
@@ -31,18 +33,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
+from provenance import provenance as common_provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-import vllm_moa  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
-from vllm_moa.demo import SHIPPED  # noqa: E402
+from vllm_moa.demo import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
-from vllm_moa.training.data import read_prompts  # noqa: E402
+from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
@@ -65,24 +66,33 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--target", choices=["demo", "smollm2"], default="demo")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     source = "stdlib-heldout" if args.prompts is None else args.prompts.parent.name or args.prompts.stem
-    out = args.out or ROOT / "benchmarks" / "results" / f"runtime_cpu_{source}.json"
+    prefix = "runtime_cpu" if args.target == "demo" else f"runtime_cpu_{args.target}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"{prefix}_{source}.json"
 
-    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
-    target = TargetModel.from_pretrained(SHIPPED / "target")
+    if args.target == "smollm2":
+        from vllm_moa.targets import fetch_smollm2
+
+        target_dir, drafters_dir = fetch_smollm2(), SHIPPED_SMOLLM2
+    else:
+        target_dir, drafters_dir = SHIPPED / "target", SHIPPED
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = TargetModel.from_pretrained(target_dir)
     if args.prompts is None:
         texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
     else:
         texts = read_prompts(args.prompts)
-    prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens :] for t in texts[: args.num_prompts]]
+    encode = (lambda t: encode_prompt(tokenizer, t)) if args.target == "smollm2" else (lambda t: tokenizer(t)["input_ids"])
+    prompts = [encode(t)[-args.prompt_tokens :] for t in texts[: args.num_prompts]]
     configs = shapes(args.chains, DraftSpec.tree(*args.tree))
     engines = {}
     for name in args.drafters:
-        drafter = "ngram" if name == "ngram" else load_drafter(SHIPPED / name, target).eval()
+        drafter = "ngram" if name == "ngram" else load_drafter(drafters_dir / name, target).eval()
         for shape_name, spec in configs.items():
             engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec)
     plain_greedy_generate(target, prompts[0], 16)  # warm-up
@@ -128,7 +138,7 @@ def main() -> None:
     tree_name = next(k for k in configs if k.startswith("tree"))
     tree_al = {r["drafter"]: r["acceptance_length"] for r in rows if r["draft"] == tree_name}
     report = {
-        "benchmark": "runtime_cpu",
+        "benchmark": "runtime_cpu", "target": args.target,
         "prompts": source, "num_prompts": len(prompts), "prompt_tokens_max": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "batch": 1, "decoding": "greedy (outputs checked equal to plain)",
         "plain_tokens_per_s": round(plain_tok_s, 1),
@@ -140,7 +150,8 @@ def main() -> None:
             f"{m}/eagle": round(tree_al[m] / tree_al["eagle"], 3) for m in ("moa-tli0", "moa-tli1")
             if m in tree_al and "eagle" in tree_al
         },
-        "provenance": provenance(),
+        "provenance": common_provenance(torch_threads=torch.get_num_threads(),
+                                        models=str(drafters_dir.relative_to(ROOT))),
     }
     if args.profile and "moa-tli0" in args.drafters:
         report["profile_moa_tli0_tree"] = profile(engines[("moa-tli0", tree_name)], prompts[:4], args.max_new_tokens)
@@ -182,15 +193,6 @@ def profile(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens:
     return {"total_s": round(total, 3), "stages": found, "top_ops_by_self_time": text.getvalue().splitlines()[-20:]}
 
 
-def provenance() -> dict:
-    return {
-        "device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "vllm_moa": vllm_moa.__version__, "models": str(SHIPPED.relative_to(ROOT)),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
 def plot(rows: list[dict], shape_names: list[str], drafters: list[str], path: Path, report: dict) -> None:
     fig, (ax_al, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(shape_names)
@@ -205,8 +207,8 @@ def plot(rows: list[dict], shape_names: list[str], drafters: list[str], path: Pa
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_al.legend(fontsize=8)
     prov = report["provenance"]
-    fig.suptitle(f"demo target, {report['prompts']} prompts x {report['max_new_tokens']} tokens, greedy, batch 1 - "
-                 f"{prov['cpu']} {prov['threads']} threads, torch {prov['torch']}", fontsize=9)
+    fig.suptitle(f"{report['target']} target, {report['prompts']} prompts x {report['max_new_tokens']} tokens, greedy, "
+                 f"batch 1 - {prov['cpu']} {prov['torch_threads']} threads, commit {prov['commit'][:8]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

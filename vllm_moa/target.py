@@ -70,12 +70,27 @@ class TargetOutput:
     hidden_states: L + 1 tensors [B, T, E]; hidden_states[l] enters layer l, hidden_states[L] is
                    the final *post-norm* hidden state (what the LM head reads)
     keys, values:  L tensors [B, H_kv, T, d] of the new tokens (K post-RoPE, as cached)
+
+    Read back from the offline feature cache (training/features.py) instead, logits are None,
+    hidden_states / keys / values hold only the entries the drafters read (others None), and:
+    layer_rows:    [B, T, L, 2 * Ekv] the K/V already in stack_layer_kv's layout (LSA input)
+    argmax:        [B, T] the target's greedy next token over the full vocabulary
     """
 
-    logits: Tensor
-    hidden_states: list[Tensor]
-    keys: list[Tensor]
-    values: list[Tensor]
+    logits: Tensor | None
+    hidden_states: list[Tensor | None]
+    keys: list[Tensor | None]
+    values: list[Tensor | None]
+    layer_rows: Tensor | None = None
+    argmax: Tensor | None = None
+
+    def greedy_tokens(self) -> Tensor:
+        """[B, T] the target's argmax next token."""
+        return self.argmax if self.argmax is not None else self.logits.argmax(-1)
+
+    def lsa_rows(self) -> Tensor:
+        """[B, T, L, 2 * Ekv] per-layer K/V rows (the LSA input)."""
+        return self.layer_rows if self.layer_rows is not None else stack_layer_kv(self.keys, self.values)
 
 
 class TargetModel(nn.Module):
@@ -151,6 +166,10 @@ class TargetModel(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """post-norm hidden [..., E] -> logits [..., V]"""
         return self.hf_model.lm_head(hidden)
+
+    def lm_head_weight(self) -> Tensor:
+        """[V, E] the LM head's weight (its rows give a reduced draft vocabulary's logits)."""
+        return self.hf_model.lm_head.weight
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [B, T] -> cos, sin [B, T, d] (the target's own rotary, scaling included)."""

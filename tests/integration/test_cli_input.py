@@ -64,6 +64,6 @@ def test_demo_refuses_a_prompt_too_long_before_any_warm_up(monkeypatch):
 
     monkeypatch.setattr(chain, "plain_greedy_generate", no_decoding)  # the demo's warm-up and baseline
     with pytest.raises(ValueError, match="longer than the target's context window"):
-        run_demo(max_new_tokens=8, prompt="x = 1\n" * 2000)
+        run_demo(max_new_tokens=8, prompt="x = 1\n" * 2000, target="stdlib")
     with pytest.raises(ValueError, match="max_tokens"):
-        run_demo(max_new_tokens=0)
+        run_demo(max_new_tokens=0, target="stdlib")

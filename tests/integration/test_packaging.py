@@ -19,7 +19,7 @@ def test_wheel_layout_and_requirements(tmp_path):
     assert "vllm_moa/models/moa.py" in names
     if (ROOT / "kernels" / "__init__.py").exists():
         assert "vllm_moa/kernels/__init__.py" in names
-    for shipped in (ROOT / "vllm_moa" / "assets" / "demo").rglob("*"):
+    for shipped in (ROOT / "vllm_moa" / "assets").rglob("*"):
         if shipped.is_file():
             assert shipped.relative_to(ROOT).as_posix() in names, shipped
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()

@@ -105,3 +105,40 @@ def test_converted_logits_equal_transformers_gguf_loading(target, prompt_ids, tm
         expected = reference(ids).logits
         actual = target.hf_model(ids).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def _shipped_drafters() -> list[str]:
+    from vllm_moa.demo import SHIPPED_SMOLLM2
+
+    return sorted(d.name for d in SHIPPED_SMOLLM2.iterdir() if (d / "config.json").is_file())
+
+
+@pytest.mark.parametrize("spec", [DraftSpec.chain(4), DraftSpec.tree(depth=5, top_k=4, budget=16)],
+                         ids=["chain4", "tree"])
+@pytest.mark.parametrize("name", _shipped_drafters())
+def test_shipped_drafters_reproduce_transformers_generate(target, prompt_ids, transformers_greedy, name, spec):
+    """The drafters shipped for SmolLM2 (fp16, reduced draft vocabulary) load against the real
+    converted target, keep greedy output identical to transformers' `generate`, and are trained:
+    they get more than one token per target forward on a chat prompt they never saw."""
+    from vllm_moa.demo import SHIPPED_SMOLLM2
+    from vllm_moa.models import load_drafter
+
+    drafter = load_drafter(SHIPPED_SMOLLM2 / name, target).eval()
+    result = SpeculativeEngine(target, drafter, spec).generate([prompt_ids], max_tokens=NEW_TOKENS, eos_token_id=2)[0]
+    assert result.token_ids == transformers_greedy
+    assert result.acceptance_length > 1.5, result.acceptance_length
+
+
+def test_readme_main_job_runs_on_smollm2(folder):
+    """README command 1: `vllm-moa demo` on SmolLM2 (its own check: identical to plain greedy)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, CACHE_ENV: str(folder.parent), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--json", "--max-new-tokens", "32"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout)
+    assert result["target"] == "smollm2" and result["new_tokens"] == 32
+    assert result["acceptance_length"] > 1.5 and result["speedup"] > 0

@@ -149,7 +149,7 @@ class EagleSession(_ModelSession):
         mask = torch.cat([torch.ones(n, self.base, dtype=torch.bool, device=self.device), visible], dim=-1)[None, None]
         out = self._run(tokens[None], features_in[None], positions, mask)[0]  # [n, E]
         self.features.extend(out.unbind(0))
-        return self.target.lm_head(out)
+        return self.drafter.draft_logits(out, self.target)
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.cache.crop(self.base)

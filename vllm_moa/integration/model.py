@@ -219,6 +219,12 @@ class MoADraftModel(nn.Module):
         self.lsa = LayerSelfAttention(config)
         self.lm_head: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
         self.logits_processor = LogitsProcessor(config.target_signature.vocab_size)
+        # a reduced draft vocabulary (config draft_vocab_size > 0): [N] target ids, from the checkpoint
+        self.draft_vocab: Tensor | None
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
 
     # -- the draft loop ---------------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
@@ -229,7 +235,14 @@ class MoADraftModel(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        """hidden [M, E] -> logits [M, V]; with a draft vocabulary only its N rows of the LM head
+        are multiplied and every other token gets -inf (never drafted)."""
+        if self.draft_vocab is None:
+            return self.logits_processor(self.lm_head, hidden_states)
+        rows = self.lm_head.weight.index_select(0, self.draft_vocab)  # [N, E]
+        logits = torch.nn.functional.linear(hidden_states, rows)  # [M, N]
+        full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     # -- the tap ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,6 +267,11 @@ class MoADraftModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name == "draft_vocab":  # a buffer, not a parameter: vLLM's loader does not track it
+                if self.draft_vocab is None or tensor.shape != self.draft_vocab.shape:
+                    raise DrafterConfigError("MoA checkpoint's draft_vocab does not match config draft_vocab_size")
+                self.draft_vocab.copy_(tensor.to(self.draft_vocab.device, torch.long))
+                continue
             module, _, leaf = name.rpartition(".")
             if module in _STACKED:
                 target, shard = _STACKED[module]

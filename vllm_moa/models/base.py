@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -38,10 +39,17 @@ class DraftOutput:
     """Training-mode output. logits [B, T, V] predict token i+1 at position i.
 
     features: pairs (prediction, target) [B, T, E] for the SmoothL1 loss, with weights summing to 1.
+    vocab:    [N] with a reduced draft vocabulary: logits are then [B, T, N] over these target ids
     """
 
     logits: Tensor
     features: list[tuple[Tensor, Tensor, float]]
+    vocab: Tensor | None = None
+
+    def tokens(self) -> Tensor:
+        """[B, T] the drafter's argmax next token, as a target token id."""
+        best = self.logits.argmax(-1)
+        return best if self.vocab is None else self.vocab[best]
 
 
 class Drafter(nn.Module):
@@ -52,6 +60,48 @@ class Drafter(nn.Module):
     def __init__(self, config: DrafterConfigBase) -> None:
         super().__init__()
         self.config = config
+        size = getattr(config, "draft_vocab_size", 0)
+        # [N] target token ids the drafter may propose (sorted; training sets them, the checkpoint stores them)
+        self.draft_vocab: Tensor | None
+        if size:
+            self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._head_rows: tuple[tuple, Tensor] | None = None  # cache of the target LM head's vocab rows
+
+    def set_draft_vocab(self, token_ids: Tensor) -> None:
+        """Fix the reduced draft vocabulary: [N] distinct target token ids."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        if self.draft_vocab is None or ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"draft vocabulary needs {getattr(self.config, 'draft_vocab_size', 0)} ids "
+                             f"(draft_vocab_size), got {ids.numel()}")
+        if ids.unique().numel() != ids.numel() or ids[0] < 0 or ids[-1] >= self.config.target_signature.vocab_size:
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+        self._head_rows = None
+
+    def _vocab_head(self, target: "TargetModel") -> Tensor:
+        """[N, E] the target LM head's rows of the draft vocabulary (cached while the head is unchanged)."""
+        weight = target.lm_head_weight()
+        key = (weight.data_ptr(), weight.dtype, weight.device, self.draft_vocab.data_ptr(), self.draft_vocab._version)
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, weight.detach().index_select(0, self.draft_vocab))
+        return self._head_rows[1]
+
+    def vocab_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
+        """feature [..., E] -> logits [..., N] over the draft vocabulary ([..., V]: the whole one)."""
+        if self.draft_vocab is None:
+            return target.lm_head(feature)
+        return torch.nn.functional.linear(feature, self._vocab_head(target))
+
+    def draft_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
+        """feature [..., E] -> logits [..., V] over the target's vocabulary; tokens outside the
+        draft vocabulary get -inf (never drafted; verification stays full-vocabulary)."""
+        logits = self.vocab_logits(feature, target)
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.target_signature.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
 
     def training_forward(self, batch: TrainingBatchView, target: "TargetModel",
                          target_out: "TargetOutput") -> DraftOutput:

@@ -54,4 +54,4 @@ class EagleDrafter(Drafter):
             shifted_pred = torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, :-1]], dim=1)
             features_in = torch.where(prev_is_verified[..., None], shifted_true, shifted_pred)
             predicted = self._predict(embeds, features_in, positions, mask)
-        return DraftOutput(target.lm_head(predicted), [(predicted, true_features, 1.0)])
+        return DraftOutput(self.vocab_logits(predicted, target), [(predicted, true_features, 1.0)], self.draft_vocab)

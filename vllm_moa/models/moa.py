@@ -156,13 +156,14 @@ class MoADrafter(Drafter):
         ids, s = batch.input_ids, batch.last_anchor
         b, t = ids.shape
         positions = torch.arange(t, device=ids.device).expand(b, t)
-        rows = self.rows_from_kv(target_out.keys, target_out.values)  # [B, T, E]
+        layer_rows = target_out.lsa_rows()  # [B, T, L, 2*Ekv]
+        rows = self.lsa(layer_rows.reshape(b * t, *layer_rows.shape[2:])).view(b, t, -1)  # [B, T, E]
         hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
         row_k, row_v = self.ca.row_keys_values(rows, positions)
         feature = self._head(self.ca(hidden, positions, row_k, row_v, cross_attention_mask(s)))
         if self.tli == 0:
             final_target = target_out.hidden_states[-1]
-            return DraftOutput(target.lm_head(feature), [(feature, final_target, 1.0)])
+            return DraftOutput(self.vocab_logits(feature, target), [(feature, final_target, 1.0)], self.draft_vocab)
         # TLI > 0: at anchors the true hidden state replaces the prediction (the target's own
         # output there); elsewhere the last N layers attend true rows <= s(i), predicted rows > s(i).
         first = target.num_layers - self.tli
@@ -173,7 +174,8 @@ class MoADrafter(Drafter):
             self.tli, mid, positions, target_out.keys[first:], target_out.values[first:], target_layers_mask(s)
         )
         final_target = target_out.hidden_states[-1]
-        return DraftOutput(target.lm_head(final), [(feature, true_mid, 0.5), (final, final_target, 0.5)])
+        return DraftOutput(self.vocab_logits(final, target), [(feature, true_mid, 0.5), (final, final_target, 0.5)],
+                           self.draft_vocab)
 
     # -- incremental drafting -----------------------------------------------------------------
     def new_state(self) -> MoADraftState:
@@ -252,11 +254,11 @@ class MoADrafter(Drafter):
             ca_mask = (row_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, n, R]: j <= position
         feature = self._head(self.ca(hidden, positions, state.row_k, state.row_v, ca_mask))
         if self.tli == 0:
-            return target.lm_head(feature)
+            return self.draft_logits(feature, target)
         # the last N layers: true rows of verified tokens, then predicted rows of drafted ones
         true_mask = torch.ones(n, num_rows, dtype=torch.bool, device=device)
         mask = torch.cat([true_mask, visible], dim=-1)[None, None]
         final = target.run_last_layers(
             self.tli, feature, positions, state.tli_true.keys, state.tli_true.values, mask, state.tli_pred
         )
-        return target.lm_head(final)
+        return self.draft_logits(final, target)

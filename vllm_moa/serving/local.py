@@ -198,7 +198,7 @@ class LocalEagle(EagleSession, _Local):
         for token in tokens:  # feature-autoregressive: one token at a time
             feature_in = self.last_feature if self.cache.length == self.verified else self._predicted
             self._predicted = self._run(torch.tensor([[token]], device=self.device), feature_in)  # [1, 1, E]
-        return self.target.lm_head(self._predicted)[0, -1]
+        return self.drafter.draft_logits(self._predicted, self.target)[0, -1]
 
 
 class LocalIndependent(IndependentSession, _Local):

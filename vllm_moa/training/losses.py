@@ -47,16 +47,17 @@ def drafter_loss(output: DraftOutput, target_logits: Tensor, loss_mask: Tensor,
 
 
 @torch.no_grad()
-def agreement_by_depth(draft_logits: Tensor, target_logits: Tensor, depth: Tensor, loss_mask: Tensor,
+def agreement_by_depth(draft_tokens: Tensor, target_tokens: Tensor, depth: Tensor, loss_mask: Tensor,
                        max_depth: int) -> tuple[Tensor, Tensor]:
     """Top-1 agreement with the target per draft depth k = i - s(i), k = 0..max_depth.
 
+    draft_tokens, target_tokens: [B, T] argmax next tokens (target ids; see DraftOutput.tokens).
     Returns (hits, counts), each [max_depth + 1]. Depth 0 is the anchor itself (the target's own
     next token at inference); depth k >= 1 is the k-th drafted token.
     """
-    same = draft_logits.argmax(-1) == target_logits.argmax(-1)
-    hits = torch.zeros(max_depth + 1, device=draft_logits.device)
-    counts = torch.zeros(max_depth + 1, device=draft_logits.device)
+    same = draft_tokens == target_tokens
+    hits = torch.zeros(max_depth + 1, device=draft_tokens.device)
+    counts = torch.zeros(max_depth + 1, device=draft_tokens.device)
     for k in range(max_depth + 1):
         sel = loss_mask & (depth == k)
         hits[k] = (same & sel).sum()

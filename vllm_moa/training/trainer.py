@@ -33,8 +33,8 @@ from torch import Tensor
 
 from vllm_moa.config import DrafterTargetMismatch, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.models import DRAFTER_CLASSES, Drafter, EagleDrafter, TrainingBatchView
-from vllm_moa.models.base import replace_directory
-from vllm_moa.target import TargetModel
+from vllm_moa.models.base import DraftOutput, replace_directory
+from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.data import (
     DatasetError,
     DraftExample,
@@ -43,6 +43,7 @@ from vllm_moa.training.data import (
     global_batch_indices,
     validate_examples,
 )
+from vllm_moa.training.features import FeatureCache
 from vllm_moa.training.losses import agreement_by_depth, drafter_loss
 from vllm_moa.training.masks import anchor_flags, draft_depth, last_anchor
 
@@ -112,15 +113,16 @@ def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
     """A freshly initialised drafter of `config.drafter` kind for `target` (seeded)."""
     options = dict(config.drafter_options)
     config_class = CONFIG_FOR_KIND[config.drafter]
-    unknown = sorted(set(options) - set(config_class.DRAFTER_FIELDS))
+    known = config_class.option_fields()
+    unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(
             f"drafter_options: unknown key(s) {', '.join(map(repr, unknown))} for the {config.drafter} drafter; "
-            f"known: {', '.join(sorted(config_class.DRAFTER_FIELDS))}"
+            f"known: {', '.join(sorted(known))}"
         )
     for key, value in options.items():
         try:
-            TypeAdapter(config_class.DRAFTER_FIELDS[key]).validate_python(value, strict=key not in FLOAT_FIELDS)
+            TypeAdapter(known[key]).validate_python(value, strict=key not in FLOAT_FIELDS)
         except ValidationError as err:
             raise ValueError(f"drafter_options: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}") from None
     if config.drafter == "moa":
@@ -128,6 +130,7 @@ def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
     try:
         drafter_config = config_class(target=target.signature, **options)
         drafter_config.check_values("drafter_options")
+        drafter_config.check_draft_vocab("drafter_options")
     except TypeError as err:
         raise ValueError(f"drafter_options: {err}") from None
     torch.manual_seed(config.seed)
@@ -191,8 +194,17 @@ class Trainer:
     """Trains one drafter against one frozen target; rank 0 writes checkpoints and metrics."""
 
     def __init__(self, config: TrainConfig, target: TargetModel, train_examples: Sequence[DraftExample],
-                 eval_examples: Sequence[DraftExample] = (), rank: int = 0, world_size: int = 1) -> None:
+                 eval_examples: Sequence[DraftExample] = (), rank: int = 0, world_size: int = 1,
+                 features: FeatureCache | None = None, draft_vocab: Sequence[int] | Tensor | None = None) -> None:
+        """`features`: an offline feature cache of exactly `train_examples` (its examples()), read
+        instead of running the target on training batches (evaluation stays online).
+        `draft_vocab`: the reduced draft vocabulary's target ids (drafter_options draft_vocab_size)."""
         validate_examples(train_examples, "training data")
+        if features is not None:
+            features.check_target(target)
+            if len(features) != len(train_examples):
+                raise DatasetError(f"feature cache holds {len(features)} sequences, training data {len(train_examples)}: "
+                                   "build the cache from these examples")
         untrainable = sum(1 for e in train_examples if min(len(e.input_ids), config.max_length) - e.prompt_length < 1)
         if untrainable:
             raise DatasetError(
@@ -210,7 +222,12 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.checkpoint_root = self.output_dir / "checkpoints"
         self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.features = features
         self.drafter = build_drafter(config, target).to(self.device)
+        if draft_vocab is not None:
+            self.drafter.set_draft_vocab(torch.as_tensor(draft_vocab))
+        elif self.drafter.draft_vocab is not None:
+            raise ValueError("drafter_options set draft_vocab_size: pass the draft vocabulary's token ids (draft_vocab)")
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
@@ -244,21 +261,32 @@ class Trainer:
         share = self.config.batch_size // self.world_size
         return indices[self.rank * share : (self.rank + 1) * share]
 
+    def _target_logits(self, target_out: TargetOutput, output: DraftOutput) -> Tensor:
+        """The target's logits over the drafter's vocabulary [B, T, N] (N = V without a reduced one)."""
+        if target_out.logits is not None:
+            return target_out.logits if output.vocab is None else target_out.logits.index_select(-1, output.vocab)
+        with torch.no_grad():
+            return self.drafter.vocab_logits(target_out.hidden_states[-1], self.target)
+
     def _forward(self, examples: Sequence[DraftExample], indices: Sequence[int], step: int, p_staircase: float,
-                 eagle_rollout: int | None = None):
+                 eagle_rollout: int | None = None, cached: bool = False):
         batch = collate(examples, max_length=self.config.max_length).to(self.device)
         s, staircase = anchors_for(batch, indices, self.config, step, p_staircase)
         s, staircase = s.to(self.device), staircase.to(self.device)
         view = TrainingBatchView(batch.input_ids, s, staircase)
         with autocast_context(self.config.precision, self.device):
-            with torch.no_grad():
-                target_out = self.target(batch.input_ids)
+            if cached:
+                target_out = self.features.target_output(indices, batch.input_ids.shape[1], self.device,
+                                                         self.target.dtype)
+            else:
+                with torch.no_grad():
+                    target_out = self.target(batch.input_ids)
             if isinstance(self.drafter, EagleDrafter) and eagle_rollout is not None:
                 output = self.drafter.training_forward(view, self.target, target_out, rollout_passes=eagle_rollout)
             else:
                 output = self.drafter.training_forward(view, self.target, target_out)
-        parts = drafter_loss(output, target_out.logits, batch.loss_mask, self.config.kl_weight,
-                             self.config.feature_weight)
+        parts = drafter_loss(output, self._target_logits(target_out, output), batch.loss_mask,
+                             self.config.kl_weight, self.config.feature_weight)
         return batch, s, output, target_out, parts
 
     def train_step(self) -> dict[str, Any]:
@@ -267,7 +295,8 @@ class Trainer:
         examples = [self.train_examples[i] for i in indices]
         self.drafter.train()
         batch, s, output, target_out, parts = self._forward(examples, indices, step,
-                                                            staircase_probability(config, step))
+                                                            staircase_probability(config, step),
+                                                            cached=self.features is not None)
         global_count = self._all_reduce(parts.count.detach().clone()).clamp_min(1.0)
         (parts.total / global_count).backward()
         self._all_reduce_gradients()
@@ -276,8 +305,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        hits, counts = agreement_by_depth(output.logits, target_out.logits, draft_depth(s), batch.loss_mask,
-                                          config.eval_depth)
+        hits, counts = agreement_by_depth(output.tokens(), target_out.greedy_tokens(), draft_depth(s),
+                                          batch.loss_mask, config.eval_depth)
         totals = self._all_reduce(torch.stack([parts.total.detach(), parts.kl, parts.feature]).float())
         hits, counts = self._all_reduce(hits), self._all_reduce(counts)
         self.step += 1
@@ -308,7 +337,8 @@ class Trainer:
             chunk = examples[start : start + batch_size]
             indices = list(range(10**9 + start, 10**9 + start + len(chunk)))  # eval-only rng stream
             batch, s, output, target_out, _ = self._forward(chunk, indices, 0, 0.0, eagle_rollout=depth + 1)
-            h, c = agreement_by_depth(output.logits, target_out.logits, draft_depth(s), batch.loss_mask, depth)
+            h, c = agreement_by_depth(output.tokens(), target_out.greedy_tokens(), draft_depth(s), batch.loss_mask,
+                                      depth)
             hits += h
             counts += c
         return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]

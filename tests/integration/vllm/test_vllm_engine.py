@@ -112,6 +112,45 @@ def test_tli1_drafter_runs_the_targets_last_layer_inside_vllm():
     assert spec.spec_decode.acceptance_length == pytest.approx(runtime_acceptance(3, DRAFTER_TLI1), rel=0.05)
 
 
+@cache
+def vocab_drafter() -> str:
+    """The shipped demo MoA TLI=0 drafter with a reduced draft vocabulary: the 1,024 tokens the demo
+    target emits most often on the held-out prompts' continuations (EAGLE-3's draft vocabulary)."""
+    import tempfile
+    from collections import Counter
+
+    import torch
+
+    from vllm_moa.config import MoAConfig
+    from vllm_moa.models import MoADrafter
+    from vllm_moa.models.base import load_drafter
+    from vllm_moa.target import TargetModel
+
+    target = TargetModel.from_pretrained(TARGET)
+    counts = Counter(t for out in engine().passes[0].outputs for t in out)
+    vocab = sorted(t for t, _ in counts.most_common(1024))
+    vocab += sorted(set(range(target.vocab_size)) - set(vocab))[: 1024 - len(vocab)]
+    base = load_drafter(DRAFTER, target)
+    config = MoAConfig.read(DRAFTER)
+    config.draft_vocab_size = 1024
+    drafter = MoADrafter(config)
+    drafter.load_state_dict({**base.state_dict(), "draft_vocab": torch.tensor(sorted(vocab))})
+    directory = tempfile.mkdtemp(prefix="moa-vocab-")
+    drafter.save_pretrained(directory)
+    return directory
+
+
+def test_a_reduced_draft_vocabulary_inside_vllm():
+    """A drafter with a draft vocabulary (its logits over 1,024 of the target's tokens, -inf for
+    the rest): greedy output stays plain vLLM's, and acceptance equals the runtime's with the same
+    drafter (the runtime's draft_logits and the vLLM model's compute_logits agree)."""
+    spec = engine("moa", 3, drafter=vocab_drafter())
+    assert spec.passes[0].outputs == engine().passes[0].outputs
+    length = spec.spec_decode.acceptance_length
+    assert length == pytest.approx(runtime_acceptance(3, vocab_drafter()), rel=0.05)
+    assert length > 1.3
+
+
 def test_chunked_prefill_and_preemption_keep_greedy_output():
     plain = engine()
     stressed = engine("moa", 3, stress=True)
