@@ -44,11 +44,11 @@ class SmolRecipe:
     response_tokens: int = 96
     sample_temperature: float = 0.7
     max_length: int = 256
-    train_sequences: int = 0  # train on the first N sequences only (0: all): a CPU time budget
+    train_sequences: int = 1400  # train on the first N sequences only (0: all): a CPU time budget
     draft_vocab_size: int = 8192
-    drafter_steps: int = 600
+    drafter_steps: int = 450
     drafter_batch: int = 8
-    drafter_lr: float = 1e-3
+    drafter_lr: float = 2e-3
     eval_depth: int = 6
     drafters: tuple[str, ...] = ("moa-tli0", "eagle", "moa-tli1", "independent")
 
@@ -258,7 +258,7 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
         if kind != "independent":
             options = {**options, "draft_vocab_size": len(vocab)}
         config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=recipe.drafter_steps,
-                             batch_size=recipe.drafter_batch, lr=recipe.drafter_lr, warmup_steps=60,
+                             batch_size=recipe.drafter_batch, lr=recipe.drafter_lr, warmup_steps=30,
                              max_length=recipe.max_length, eval_depth=recipe.eval_depth, output_dir=str(work / name),
                              checkpoint_every=100, seed=recipe.seed, progress=progress)
         trainer = Trainer(config, target, features.examples(), held, features=features,
