@@ -110,6 +110,8 @@ def test_converted_logits_equal_transformers_gguf_loading(target, prompt_ids, tm
 def _shipped_drafters() -> list[str]:
     from vllm_moa.demo import SHIPPED_SMOLLM2
 
+    if not SHIPPED_SMOLLM2.is_dir():
+        return []
     return sorted(d.name for d in SHIPPED_SMOLLM2.iterdir() if (d / "config.json").is_file())
 
 

@@ -37,13 +37,17 @@ def test_cached_features_equal_the_target_forward(tmp_path):
     examples = _examples()
     cache = build_feature_cache(target, examples, tmp_path / "f", max_length=24, tli_depths=(1, 2),
                                 batch_tokens=40, progress=False)
-    assert [e.input_ids for e in cache.examples()] == [e.input_ids[:24] for e in examples]
+    source = cache.manifest["source_index"]
+    stored = cache.examples()
+    assert sorted(source) == list(range(len(examples)))
+    assert [e.input_ids for e in stored] == [examples[i].input_ids[:24] for i in source]
+    assert [len(e.input_ids) for e in stored] == sorted(len(e.input_ids) for e in stored)  # shortest first
     indices = [4, 0, 7]
-    width = max(min(len(examples[i].input_ids), 24) for i in indices)
+    width = max(len(stored[i].input_ids) for i in indices)
     got = cache.target_output(indices, width, "cpu")
     for row, i in enumerate(indices):
-        n = min(len(examples[i].input_ids), 24)
-        out = target(torch.tensor([examples[i].input_ids[:n]]))
+        n = len(stored[i].input_ids)
+        out = target(torch.tensor([stored[i].input_ids]))
         tol = dict(atol=2e-3, rtol=2e-3)  # fp16 storage
         torch.testing.assert_close(got.layer_rows[row, :n], stack_layer_kv(out.keys, out.values)[0], **tol)
         torch.testing.assert_close(got.hidden_states[-1][row, :n], out.hidden_states[-1][0], **tol)

@@ -232,6 +232,7 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
     from vllm_moa.training.trainer import TrainConfig, Trainer
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    code_state = provenance()  # the code this process runs: taken at its start, before anything is edited
     target = TargetModel.from_pretrained(target_dir)
     if recipe.train_sequences:
         train = train[: recipe.train_sequences]
@@ -268,7 +269,7 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
             "kind": kind, "tli": tli, "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
             "steps": result.steps, "batch_size": recipe.drafter_batch, "final_loss": result.final_loss,
             "heldout_agreement_by_depth": result.eval_agreement, "wall_time_s": round(result.wall_time_s, 1),
-            "device": str(trainer.device), "torch_threads": torch.get_num_threads(), "provenance": provenance(),
+            "device": str(trainer.device), "torch_threads": torch.get_num_threads(), "provenance": code_state,
         }
         _save_json(report_path, report)
     return report

@@ -59,6 +59,10 @@ def build_feature_cache(target: TargetModel, examples: Sequence[DraftExample], d
 
     directory = Path(directory)
     digest = _plan_digest(examples, max_length, tli_depths)
+    # stored shortest first (stable), so that batches of similar lengths waste little on padding;
+    # `source_index` in the manifest maps each stored sequence back to its place in `examples`
+    order = sorted(range(len(examples)), key=lambda i: min(len(examples[i].input_ids), max_length))
+    examples = [examples[i] for i in order]
     if (directory / MANIFEST).is_file():
         cache = FeatureCache(directory)
         if cache.manifest["plan"] != digest:
@@ -123,6 +127,7 @@ def build_feature_cache(target: TargetModel, examples: Sequence[DraftExample], d
     manifest = {"format": FORMAT_VERSION, "plan": digest, "signature": sig.to_dict(), "max_length": max_length,
                 "tli_depths": list(tli_depths), "num_sequences": len(examples), "num_tokens": total,
                 "offsets": offsets, "prompt_lengths": [min(e.prompt_length, n - 1) for e, n in zip(examples, lengths)],
+                "source_index": order,
                 "dtype": "float16"}
     (partial / MANIFEST).write_text(json.dumps(manifest))
     progress_path.unlink()
@@ -158,7 +163,8 @@ class FeatureCache:
             raise FeatureCacheError(f"feature cache {self.directory} was built for another target: {err}") from None
 
     def examples(self) -> list[DraftExample]:
-        """The cached sequences (as truncated when the cache was built)."""
+        """The cached sequences (as truncated when the cache was built), in stored order (shortest
+        first; manifest["source_index"][i] is sequence i's index in the examples given to the build)."""
         ids = self.arrays["ids"]
         return [DraftExample(tuple(ids[a:b].tolist()), p)
                 for a, b, p in zip(self.offsets[:-1], self.offsets[1:], self.manifest["prompt_lengths"])]
