@@ -44,9 +44,9 @@ class SmolRecipe:
     response_tokens: int = 96
     sample_temperature: float = 0.7
     max_length: int = 256
-    train_sequences: int = 1400  # train on the first N sequences only (0: all): a CPU time budget
+    train_sequences: int = 1200  # train on the first N sequences only (0: all): a CPU time budget
     draft_vocab_size: int = 8192
-    drafter_steps: int = 450
+    drafter_steps: int = 360
     drafter_batch: int = 8
     drafter_lr: float = 2e-3
     eval_depth: int = 6
