@@ -188,7 +188,7 @@ def draft_vocabulary(examples: list[DraftExample], size: int, vocab_size: int, a
         if len(chosen) >= size:
             break
         chosen.add(token)
-    return sorted(chosen)[:size] if len(chosen) > size else sorted(chosen)
+    return sorted(chosen)
 
 
 def provenance() -> dict:
