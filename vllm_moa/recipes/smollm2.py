@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vllm_moa.training.data import DraftExample
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,6 @@ def _save_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
-
-
-def _examples_to_json(examples: list[DraftExample]) -> list:
-    return [[list(e.input_ids), e.prompt_length] for e in examples]
-
-
-def _examples_from_json(data: list) -> list[DraftExample]:
-    return [DraftExample(tuple(ids), p) for ids, p in data]
 
 
 def _engine_env(threads: str) -> dict[str, str]:
@@ -148,7 +140,7 @@ def build_responses(work: Path, recipe: SmolRecipe, target_dir: Path, tokenizer:
     path = work / "responses.json"
     if path.is_file():
         data = json.loads(path.read_text())
-        return _examples_from_json(data["train"]), _examples_from_json(data["heldout"])
+        return examples_from_json(data["train"]), examples_from_json(data["heldout"])
     started = time.time()
     order = list(range(len(prompts)))
     random.Random(recipe.seed).shuffle(order)
@@ -172,7 +164,7 @@ def build_responses(work: Path, recipe: SmolRecipe, target_dir: Path, tokenizer:
         "tokens_per_s": round(sum(map(len, outputs)) / max(time.time() - started, 1e-9), 1),
         "heldout_prompt_ids": held_idx,
     }
-    _save_json(path, {"train": _examples_to_json(train), "heldout": _examples_to_json(held)})
+    _save_json(path, {"train": examples_to_json(train), "heldout": examples_to_json(held)})
     return train, held
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from vllm_moa.training.data import DraftExample
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 
 @dataclass(frozen=True)
@@ -183,11 +183,11 @@ DRAFTERS = {
 
 
 def _save_examples(path: Path, examples: list[DraftExample]) -> None:
-    path.write_text(json.dumps([[list(e.input_ids), e.prompt_length] for e in examples]))
+    path.write_text(json.dumps(examples_to_json(examples)))
 
 
 def _load_examples(path: Path) -> list[DraftExample]:
-    return [DraftExample(tuple(ids), p) for ids, p in json.loads(path.read_text())]
+    return examples_from_json(json.loads(path.read_text()))
 
 
 def run(work: Path, recipe: StdlibRecipe, progress: bool = True, only: list[str] | None = None) -> dict:

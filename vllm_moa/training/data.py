@@ -53,6 +53,15 @@ def validate_examples(examples: Sequence[DraftExample], source: str = "dataset")
             raise DatasetError(f"{source}: sequence {index} has no response tokens to train on")
 
 
+def examples_to_json(examples: Sequence[DraftExample]) -> list:
+    """[[token ids], prompt_length] per example: how recipes store their regenerated data."""
+    return [[list(e.input_ids), e.prompt_length] for e in examples]
+
+
+def examples_from_json(data: list) -> list[DraftExample]:
+    return [DraftExample(tuple(ids), p) for ids, p in data]
+
+
 # -- raw corpus -------------------------------------------------------------------------------
 def read_text_files(paths: Iterable[str | Path], suffix: str = "") -> list[str]:
     """Read UTF-8 text from files and directories (recursively, files ending in `suffix`)."""
