@@ -49,20 +49,37 @@ ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
 
 
-def shapes(chain_lengths: list[int], tree: DraftSpec) -> dict[str, DraftSpec]:
+def shapes(chain_lengths: list[int], trees: list[DraftSpec]) -> dict[str, DraftSpec]:
     out = {f"chain K={k}": DraftSpec.chain(k) for k in chain_lengths}
-    out[f"tree d={tree.depth} k={tree.top_k} b={tree.budget}"] = tree
+    for tree in trees:
+        out[f"tree d={tree.depth} k={tree.top_k} b={tree.budget}"] = tree
     return out
+
+
+def tree_spec(text: str) -> DraftSpec:
+    """'DEPTH,TOP_K,BUDGET' -> an EAGLE-2 tree spec."""
+    try:
+        depth, top_k, budget = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tree is DEPTH,TOP_K,BUDGET (e.g. 5,4,16), got {text!r}") from None
+    try:
+        return DraftSpec.tree(depth, top_k, budget)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=Path, default=None, help="Spec-Bench jsonl (default: held-out stdlib)")
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=Path, nargs="+", default=None,
+                        help="Spec-Bench jsonl files, N prompts from each (default: the target's shipped held-out prompts)")
+    parser.add_argument("--heldout", type=int, default=0,
+                        help="also take this many of the target's shipped held-out prompts (with --prompts)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="prompts per file")
     parser.add_argument("--prompt-tokens", type=int, default=192, help="keep the last N prompt tokens")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--chains", type=int, nargs="+", default=[3, 5, 7])
-    parser.add_argument("--tree", type=int, nargs=3, default=[5, 4, 16], metavar=("DEPTH", "TOP_K", "BUDGET"))
+    parser.add_argument("--trees", type=tree_spec, nargs="+", default=[DraftSpec.tree(5, 4, 16)],
+                        metavar="DEPTH,TOP_K,BUDGET")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
@@ -71,7 +88,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = "stdlib-heldout" if args.prompts is None else args.prompts.parent.name or args.prompts.stem
+    prov = common_provenance(torch_threads=torch.get_num_threads())  # at start: the code that runs
+    sources = ["heldout"] if args.prompts is None else [p.parent.name or p.stem for p in args.prompts]
+    if args.prompts is not None and args.heldout:
+        sources.append("heldout")
+    source = "-".join(sources) if args.target == "smollm2" or args.prompts is not None else "stdlib-heldout"
     prefix = "runtime_cpu" if args.target == "demo" else f"runtime_cpu_{args.target}"
     out = args.out or ROOT / "benchmarks" / "results" / f"{prefix}_{source}.json"
 
@@ -83,13 +104,14 @@ def main() -> None:
         target_dir, drafters_dir = SHIPPED / "target", SHIPPED
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = TargetModel.from_pretrained(target_dir)
+    heldout = [p if isinstance(p, str) else p["text"] for p in json.loads((drafters_dir / "heldout_prompts.json").read_text())]
     if args.prompts is None:
-        texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
+        texts = heldout[: args.num_prompts]
     else:
-        texts = read_prompts(args.prompts)
+        texts = [t for path in args.prompts for t in read_prompts(path)[: args.num_prompts]] + heldout[: args.heldout]
     encode = (lambda t: encode_prompt(tokenizer, t)) if args.target == "smollm2" else (lambda t: tokenizer(t)["input_ids"])
-    prompts = [encode(t)[-args.prompt_tokens :] for t in texts[: args.num_prompts]]
-    configs = shapes(args.chains, DraftSpec.tree(*args.tree))
+    prompts = [encode(t)[-args.prompt_tokens :] for t in texts]
+    configs = shapes(args.chains, args.trees)
     engines = {}
     for name in args.drafters:
         drafter = "ngram" if name == "ngram" else load_drafter(drafters_dir / name, target).eval()
@@ -135,7 +157,7 @@ def main() -> None:
             "drafter_share": round(summary["drafter_share"], 3), "target_forwards": summary["target_forwards"],
         })
     best = {name: max((r for r in rows if r["drafter"] == name), key=lambda r: r["speedup"]) for name in args.drafters}
-    tree_name = next(k for k in configs if k.startswith("tree"))
+    tree_name = next((k for k in configs if k.startswith("tree")), None)
     tree_al = {r["drafter"]: r["acceptance_length"] for r in rows if r["draft"] == tree_name}
     report = {
         "benchmark": "runtime_cpu", "target": args.target,
@@ -150,10 +172,9 @@ def main() -> None:
             f"{m}/eagle": round(tree_al[m] / tree_al["eagle"], 3) for m in ("moa-tli0", "moa-tli1")
             if m in tree_al and "eagle" in tree_al
         },
-        "provenance": common_provenance(torch_threads=torch.get_num_threads(),
-                                        models=str(drafters_dir.relative_to(ROOT))),
+        "provenance": {**prov, "models": str(drafters_dir.relative_to(ROOT))},
     }
-    if args.profile and "moa-tli0" in args.drafters:
+    if args.profile and "moa-tli0" in args.drafters and tree_name is not None:
         report["profile_moa_tli0_tree"] = profile(engines[("moa-tli0", tree_name)], prompts[:4], args.max_new_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

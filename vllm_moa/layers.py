@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vllm_moa.packed_linear import Linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6) -> None:
@@ -66,9 +68,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 class SwiGLU(nn.Module):
     def __init__(self, width: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(width, intermediate, bias=False)
-        self.up_proj = nn.Linear(width, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, width, bias=False)
+        self.gate_proj = Linear(width, intermediate, bias=False)
+        self.up_proj = Linear(width, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, width, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -82,10 +84,10 @@ class AttentionProjections(nn.Module):
                  head_dim: int, out_width: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(query_width, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(kv_width, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(kv_width, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, out_width or query_width, bias=False)
+        self.q_proj = Linear(query_width, num_heads * head_dim, bias=False)
+        self.k_proj = Linear(kv_width, num_kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(kv_width, num_kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(num_heads * head_dim, out_width or query_width, bias=False)
 
     def queries(self, x: Tensor) -> Tensor:
         """[B, T, W] -> [B, H, T, d]"""

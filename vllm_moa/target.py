@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from vllm_moa.config import TargetSignature
 from vllm_moa.layers import KVCache, apply_rotary, attend, causal_mask_after
+from vllm_moa.packed_linear import linear
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -165,7 +166,7 @@ class TargetModel(nn.Module):
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         """post-norm hidden [..., E] -> logits [..., V]"""
-        return self.hf_model.lm_head(hidden)
+        return linear(hidden, self.hf_model.lm_head)
 
     def lm_head_weight(self) -> Tensor:
         """[V, E] the LM head's weight (its rows give a reduced draft vocabulary's logits)."""
@@ -202,23 +203,28 @@ class TargetModel(nn.Module):
         return self._fingerprint
 
     # -- one decoder layer, functional --------------------------------------------------------
+    # Projections sharing an input run as one matmul (q/k/v, gate/up): packed for oneDNN in CPU
+    # inference (packed_linear.py), the modules themselves elsewhere.
     def layer_qkv(self, layer: int, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """hidden [B, T, E] entering `layer` -> q [B, H, T, d], k, v [B, H_kv, T, d] (q, k post-RoPE)."""
         block = self.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden)
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = linear(x, attn.q_proj, attn.k_proj, attn.v_proj)
+        q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def layer_finish(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """Residual stream after attention [B, H, T, d] -> hidden leaving `layer` [B, T, E]."""
         block = self.layers[layer]
         b, _, t, _ = attn_out.shape
-        hidden = hidden + block.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        hidden = hidden + linear(attn_out.transpose(1, 2).reshape(b, t, -1), block.self_attn.o_proj)
+        mlp = block.mlp  # gate / up / down with act_fn: Llama, Qwen2 and Mistral alike
+        gate, up = linear(block.post_attention_layernorm(hidden), mlp.gate_proj, mlp.up_proj)
+        return hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj)
 
     # -- whole forward ------------------------------------------------------------------------
     @torch.no_grad()

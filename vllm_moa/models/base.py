@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError
+from vllm_moa.packed_linear import linear
 
 if TYPE_CHECKING:
     from vllm_moa.target import TargetModel, TargetOutput
@@ -67,7 +68,7 @@ class Drafter(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self._head_rows: tuple[tuple, Tensor] | None = None  # cache of the target LM head's vocab rows
+        self._head_rows: tuple[tuple, nn.Linear] | None = None  # cache of the target LM head's vocab rows
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """Fix the reduced draft vocabulary: [N] distinct target token ids."""
@@ -80,19 +81,22 @@ class Drafter(nn.Module):
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
         self._head_rows = None
 
-    def _vocab_head(self, target: "TargetModel") -> Tensor:
-        """[N, E] the target LM head's rows of the draft vocabulary (cached while the head is unchanged)."""
+    def _vocab_head(self, target: "TargetModel") -> nn.Linear:
+        """The target LM head's rows of the draft vocabulary as a frozen [E -> N] linear layer
+        (cached while the head and the vocabulary are unchanged)."""
         weight = target.lm_head_weight()
         key = (weight.data_ptr(), weight.dtype, weight.device, self.draft_vocab.data_ptr(), self.draft_vocab._version)
         if self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, weight.detach().index_select(0, self.draft_vocab))
+            head = nn.Linear(weight.shape[1], self.draft_vocab.numel(), bias=False, device="meta")
+            head.weight = nn.Parameter(weight.detach().index_select(0, self.draft_vocab), requires_grad=False)
+            self._head_rows = (key, head)
         return self._head_rows[1]
 
     def vocab_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
         """feature [..., E] -> logits [..., N] over the draft vocabulary ([..., V]: the whole one)."""
         if self.draft_vocab is None:
             return target.lm_head(feature)
-        return torch.nn.functional.linear(feature, self._vocab_head(target))
+        return linear(feature, self._vocab_head(target))
 
     def draft_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
         """feature [..., E] -> logits [..., V] over the target's vocabulary; tokens outside the

@@ -11,10 +11,11 @@ make depths 1..P exact); P = 1 is EAGLE-1/2's teacher forcing on true features.
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from vllm_moa.config import EagleDrafterConfig
 from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
+from vllm_moa.packed_linear import Linear
 from vllm_moa.layers import DecoderBlock
 from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.masks import self_attention_mask
@@ -27,7 +28,7 @@ class EagleDrafter(Drafter):
         super().__init__(config)
         config.check_values()
         width = config.target_signature.hidden_size
-        self.fc = nn.Linear(2 * width, width, bias=False)
+        self.fc = Linear(2 * width, width, bias=False)
         self.layer = DecoderBlock(width, config.num_heads, config.num_kv_heads, config.head_dim,
                                   config.intermediate_size, config.rope_theta, config.rms_norm_eps)
         self.rollout_passes = 1

@@ -9,6 +9,7 @@ from torch import nn
 
 from vllm_moa.config import IndependentDrafterConfig
 from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
+from vllm_moa.packed_linear import Linear
 from vllm_moa.layers import DecoderBlock, KVCache, RMSNorm, causal_mask_after
 from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.masks import self_attention_mask
@@ -28,7 +29,7 @@ class IndependentDrafter(Drafter):
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab, bias=False)
 
     def forward(self, input_ids: torch.Tensor, caches: list[KVCache] | None = None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

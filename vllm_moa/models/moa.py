@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from vllm_moa.config import MoAConfig
 from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
+from vllm_moa.packed_linear import Linear
 from vllm_moa.layers import (
     AttentionProjections,
     DecoderBlock,
@@ -54,7 +55,7 @@ class LayerSelfAttention(nn.Module):
         self.post_norm = RMSNorm(width, config.rms_norm_eps)
         self.mlp = SwiGLU(width, config.lsa_intermediate_size)
         self.rotary = RotaryEmbedding(head_dim, config.lsa_rope_theta)
-        self.ekv2e = nn.Linear(width, sig.hidden_size, bias=False)
+        self.ekv2e = Linear(width, sig.hidden_size, bias=False)
 
     def forward(self, rows: Tensor) -> Tensor:
         """rows [N, L, 2*Ekv] -> Ekv2E output [N, E]"""

@@ -129,9 +129,9 @@ def test_lsa_rows_from_paged_matches_module(num_layers, num_kv_heads, head_dim, 
     slots = torch.tensor(SLOTS, device=device)
     got = lsa_rows_from_paged(lsa, caches, slots)
     assert got.shape == (len(SLOTS), 64) and got.dtype == dtype
-    with torch.no_grad():
+    with torch.no_grad():  # both in inference mode: the module's CPU linears are then packed (packed_linear.py)
         module_out = lsa(gather_layer_rows(caches, slots))  # the module on rows gathered by the twin
-    twin = lsa_attention_reference(lsa, caches, slots)
+        twin = lsa_attention_reference(lsa, caches, slots)
     torch.testing.assert_close(twin, module_out, rtol=0, atol=0)
     if dtype == torch.float32:
         torch.testing.assert_close(got, module_out, **TOL[dtype])

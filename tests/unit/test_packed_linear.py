@@ -1,0 +1,101 @@
+"""Packed linear layers (vllm_moa/packed_linear.py): the oneDNN path gives F.linear's values,
+fused projections split back into each module's output, gradients and other dtypes take the
+plain path, and a changed weight is re-packed, never served stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_moa import packed_linear
+from vllm_moa.packed_linear import Linear, linear
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
+
+
+def _modules(*shapes, bias=False):
+    torch.manual_seed(0)
+    return [nn.Linear(i, o, bias=bias) for i, o in shapes]
+
+
+def _used_packs(module) -> int:
+    return sum(pack.weight is not None for pack in packed_linear._packs.get(module, {}).values())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_plain_linear(rows, bias):
+    (m,) = _modules((576, 1536), bias=bias)
+    x = torch.randn(rows, 576)
+    with torch.no_grad():
+        got = linear(x, m)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert _used_packs(m) == 1  # it really took the packed path
+
+
+def test_fused_projections_split_into_each_output_any_leading_shape():
+    q, k, v = _modules((576, 576), (576, 192), (576, 192), bias=True)
+    k.bias = None  # a mix of biases and none (Qwen2 has q/k/v biases, Llama none)
+    x = torch.randn(2, 5, 576)
+    with torch.no_grad():
+        outs = linear(x, q, k, v)
+    for module, out in zip((q, k, v), outs):
+        assert out.shape == (2, 5, module.out_features)
+        torch.testing.assert_close(out, module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_weight_is_repacked():
+    (m,) = _modules((1024, 640))
+    x = torch.randn(3, 1024)
+    with torch.no_grad():
+        before = linear(x, m)
+        m.weight.mul_(2.0)  # in place, as an optimizer step does
+        after = linear(x, m)
+    torch.testing.assert_close(after, 2.0 * before, rtol=1e-5, atol=1e-5)
+    m.weight = nn.Parameter(torch.zeros_like(m.weight))  # replaced, as load_state_dict / .to() may
+    with torch.no_grad():
+        assert linear(x, m).abs().max() == 0
+
+
+def test_gradients_flow_through_the_plain_path():
+    (m,) = _modules((1024, 640))
+    x = torch.randn(4, 1024, requires_grad=True)
+    linear(x, m).sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+    assert _used_packs(m) == 0  # training never packs
+
+
+def test_other_dtypes_and_the_switch_take_the_plain_path():
+    (m,) = _modules((1024, 640))
+    with torch.no_grad():
+        linear(torch.randn(2, 1024, dtype=torch.float64), m.double())
+        with packed_linear.enabled(False):
+            linear(torch.randn(2, 1024), m.float())
+    assert _used_packs(m) == 0
+
+
+def test_small_layers_stay_on_the_plain_path():
+    (m,) = _modules((256, 512))
+    with torch.no_grad():
+        torch.testing.assert_close(linear(torch.randn(3, 256), m).shape, torch.Size([3, 512]))
+    assert _used_packs(m) == 0
+
+
+def test_linear_module_keeps_nn_linear_state_dict():
+    torch.manual_seed(0)
+    fast, plain = Linear(20, 10), nn.Linear(20, 10)
+    plain.load_state_dict(fast.state_dict())
+    x = torch.randn(3, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+    assert set(fast.state_dict()) == {"weight", "bias"}
+
+
+def test_inference_mode_weights_are_packed_too():
+    """vLLM loads and runs the drafter's LSA (our modules) under inference mode."""
+    with torch.inference_mode():
+        (m,) = _modules((1024, 600))
+        x = torch.randn(5, 1024)
+        torch.testing.assert_close(linear(x, m), torch.nn.functional.linear(x, m.weight), rtol=1e-5, atol=1e-5)
+    assert _used_packs(m) == 1

@@ -1,0 +1,134 @@
+"""Linear layers for small batches on CPU: oneDNN's pre-packed weights, several projections of
+one input fused into one matmul.
+
+Speculative decoding on a CPU multiplies a handful of rows (the 1..25 nodes of a draft tree, a
+drafter's frontier) by every weight of the target. PyTorch's default fp32 path (MKL GEMM) is
+tuned for large matrices: on our 2-core AVX2 machines a 2-row product costs twice a 1-row one and
+a 17-row product over SmolLM2's LM head three times (benchmarks/results/packed_linear_cpu.json).
+oneDNN's linear with weights reordered once into its blocked layout stays within 1.1-1.7x of the
+1-row cost up to 17 rows, and is never slower at any size we measured. So verifying a tree costs
+little more than one plain decoding step, which is what makes speculation pay on a CPU.
+
+`linear(x, *modules)` computes every module's output for the same input x:
+
+    x [..., in] -> module_i(x) [..., out_i] for each module (a tuple when several)
+
+Packed (oneDNN, one fused matmul) when x is fp32 on a CPU, oneDNN is available and no gradient
+flows (x does not require one, or grad mode is off); otherwise each module runs as itself, so
+training and GPUs are untouched. The packed copy is keyed by the modules (a weak reference: it
+goes when they go) and rebuilt when any weight or bias changes (an optimizer step, `.to()`,
+`load_state_dict`). It costs one extra copy of the packed weights in memory; `enabled(False)`
+turns packing off process-wide.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BATCH_HINT = 16  # oneDNN picks its blocking for this many rows; measured best for 1..32 rows
+MIN_WEIGHTS = 256 * 1024  # smaller layers stay on F.linear (oneDNN's call overhead eats the gain)
+
+_packs: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], _Pack]] = weakref.WeakKeyDictionary()
+_enabled = True
+
+
+@functools.cache
+def available() -> bool:
+    """oneDNN's packed fp32 linear exists in this torch build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def _packed_op():
+    return torch.ops.mkldnn._linear_pointwise.default
+
+
+@contextmanager
+def enabled(flag: bool) -> Iterator[None]:
+    """Turn packing on or off inside the block (process-wide)."""
+    global _enabled
+    previous, _enabled = _enabled, flag
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+class _Pack:
+    """The modules' weights concatenated along the output axis, reordered for oneDNN; `weight`
+    is None where packing does not pay or does not apply (small, not fp32, not on a CPU)."""
+
+    def __init__(self, modules: tuple[nn.Linear, ...], key: tuple) -> None:
+        self.key = key
+        self.splits = [m.out_features for m in modules]
+        self.weight = self.bias = None
+        weights = [m.weight.detach() for m in modules]
+        if sum(w.numel() for w in weights) < MIN_WEIGHTS or any(
+                w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
+            return
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+        if any(m.bias is not None for m in modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                   for m in modules])
+
+
+def _version_key(modules: tuple[nn.Linear, ...]) -> tuple:
+    key = []
+    for m in modules:
+        for p in (m.weight, m.bias):
+            key.append(None if p is None else (p.data_ptr(), _version(p), p.dtype, p.device))
+    return tuple(key)
+
+
+def _version(p: Tensor) -> int:
+    """In-place writes bump a tensor's version; inference tensors (vLLM loads weights under
+    inference mode) keep none, and only a new tensor (a new address) changes them."""
+    try:
+        return p._version
+    except RuntimeError:
+        return -1
+
+
+def _plain(x: Tensor, modules: tuple[nn.Linear, ...]) -> Tensor | tuple[Tensor, ...]:
+    outs = tuple(F.linear(x, m.weight, m.bias) for m in modules)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
+    """x [..., in] -> each module's output [..., out_i]: one tensor for one module, else a tuple."""
+    if not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or not available():
+        return _plain(x, modules)
+    if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in modules)):
+        return _plain(x, modules)  # training: autograd needs the plain path
+    by_modules = _packs.get(modules[0])
+    if by_modules is None:
+        by_modules = _packs[modules[0]] = {}
+    ids = tuple(map(id, modules))
+    key = _version_key(modules)
+    pack = by_modules.get(ids)
+    if pack is None or pack.key != key:
+        pack = by_modules[ids] = _Pack(modules, key)
+    if pack.weight is None:
+        return _plain(x, modules)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _packed_op()(flat, pack.weight, pack.bias, "none", [], "")  # [rows, sum out_i]
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    if len(modules) == 1:
+        return out
+    return tuple(out.split(pack.splits, dim=-1))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) that runs through `linear`: packed in CPU
+    inference, plain everywhere else."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self)
