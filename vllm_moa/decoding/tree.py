@@ -5,7 +5,7 @@ Node 0 is the root: the target's last chosen token (`pending`), not yet run thro
 Nodes are ordered so that every parent comes before its children; node i sits at position
 base + depth[i], where base is the root's position.
 
-Growth (moa-reference.md section 3, EAGLE-2): the drafter runs over the current frontier, each
+Growth (docs/method.md section 3, EAGLE-2): the drafter runs over the current frontier, each
 frontier node proposes its `top_k` most likely children, a child's score is its path
 log-probability (parent's score + log q), and the `top_k` best children of the level become the
 next frontier; after `depth` levels the `budget` best nodes by score are kept. Scores never rise

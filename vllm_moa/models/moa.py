@@ -1,4 +1,4 @@
-"""The MoA drafter (moa-reference.md section 1).
+"""The MoA drafter (docs/method.md section 1).
 
     target per-layer K/V --LSA over the layer axis, mean--> Ekv2E --> CA keys/values (1 row / token)
     target token embedding --> SA (causal, own KV cache) --> CA query

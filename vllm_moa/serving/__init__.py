@@ -1,4 +1,4 @@
-"""Client-server deployment (moa-reference.md section 4): the target verifies on a server, the
+"""Client-server deployment (docs/method.md section 4): the target verifies on a server, the
 drafter runs on the user's device and is kept in sync with the target by small payloads.
 
     protocol.py   request/response schemas (pydantic) with hard limits

@@ -1,4 +1,4 @@
-"""Drafter losses (moa-reference.md section 2) and per-depth agreement metrics.
+"""Drafter losses (docs/method.md section 2) and per-depth agreement metrics.
 
 loss = kl_weight * KL(p_target || q_draft) + feature_weight * SmoothL1(features), averaged over
 trained positions. KL and soft cross-entropy differ by the target's entropy, a constant for the

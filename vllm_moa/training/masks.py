@@ -1,4 +1,4 @@
-"""K-step-bounded training masks (moa-reference.md section 2).
+"""K-step-bounded training masks (docs/method.md section 2).
 
 An *anchor* stands in for "the last token the target has verified". `last_anchor[b, i]` = s(i),
 the last anchor at or before position i. At inference, a drafter k steps past an anchor sees
