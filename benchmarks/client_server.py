@@ -33,19 +33,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
+
+from provenance import provenance as common_provenance
+from provenance import versions
 
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.demo import SHIPPED
@@ -287,38 +288,20 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def provenance(args) -> dict:
-    import fastapi
-    import httpx
-    import transformers
-    import uvicorn
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "vllm_moa", "benchmarks"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", None
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
-            "git_uncommitted_changes": dirty,
-            "device": "cpu", "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "fastapi": fastapi.__version__,
-            "uvicorn": uvicorn.__version__, "httpx": httpx.__version__,
-            "setup": "server subprocess (vllm-moa serve, 1 torch thread) <- netsim proxy subprocess <- client "
-                     "(this process, 1 torch thread), all on 127.0.0.1",
-            "config": {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
-                       "offline_prompts": args.offline_prompts, "rtt_ms": RTTS, "bandwidth_mbit": BANDWIDTHS,
-                       "drafts": "adaptive depth (serving/adaptive.py); trees 4 wide except moa-chain; the "
-                                 "disconnection test drafts chains of 4 online", "greedy": True,
-                       "slow_target_min_forward_ms": SLOW_STEP_MS,
-                       "offline": {"verified_before": 16, "max_offline": 256},
-                       "models": "vllm_moa/assets/demo (target + moa-tli0/moa-tli1/eagle/independent)"}}
+def run_provenance(args) -> dict:
+    """benchmarks/provenance.py's record (commit, uncommitted changes, machine, versions) + this setup."""
+    return common_provenance(
+        torch_threads=1,
+        serving_versions=versions("fastapi", "uvicorn", "httpx"),
+        setup="server subprocess (vllm-moa serve, 1 torch thread) <- netsim proxy subprocess <- client "
+              "(this process, 1 torch thread), all on 127.0.0.1",
+        config={"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+                "offline_prompts": args.offline_prompts, "rtt_ms": RTTS, "bandwidth_mbit": BANDWIDTHS,
+                "drafts": "adaptive depth (serving/adaptive.py); trees 4 wide except moa-chain; the "
+                          "disconnection test drafts chains of 4 online", "greedy": True,
+                "slow_target_min_forward_ms": SLOW_STEP_MS,
+                "offline": {"verified_before": 16, "max_offline": 256},
+                "models": "vllm_moa/assets/demo (target + moa-tli0/moa-tli1/eagle/independent)"})
 
 
 def main() -> None:
@@ -329,6 +312,7 @@ def main() -> None:
     parser.add_argument("--offline-prompts", type=int, default=8, help="held-out prompts in the disconnection test")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "client_server_cpu.json")
     args = parser.parse_args()
+    prov = run_provenance(args)  # at start: the code that runs
     torch.set_num_threads(1)
     target, drafters = load_models()
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
@@ -357,7 +341,7 @@ def main() -> None:
         server.wait(timeout=30)
     summary = summarize(latency, offline)
     result = {"summary": summary, "latency_rows": latency, "offline_rows": offline,
-              "wall_seconds": round(time.perf_counter() - started, 1), "provenance": provenance(args)}
+              "wall_seconds": round(time.perf_counter() - started, 1), "provenance": prov}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(summary, args.out.with_suffix(".png"))

@@ -1,20 +1,24 @@
 """The transformers runtime on this machine (CPU by default): plain decoding against n-gram,
-independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of K in {3, 5, 7} and as an
-EAGLE-2 tree, greedy, batch 1. Targets: the shipped demo models, or SmolLM2-135M-Instruct with
-the drafters shipped for it (vllm_moa/assets/smollm2).
+independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of K and as EAGLE-2 trees,
+greedy, batch 1. Targets: the shipped demo models, or SmolLM2-135M-Instruct with the drafters
+shipped for it (vllm_moa/assets/smollm2).
 
     python benchmarks/runtime_cpu.py [--prompts spec_bench/question.jsonl] [--num-prompts 16]
                                      [--max-new-tokens 96] [--profile]
-    python benchmarks/runtime_cpu.py --target smollm2 --prompts ../shared/data/specbench/mt_bench/question.jsonl \
-                                     --drafters moa-tli0 eagle ngram --chains 3 5 --num-prompts 8
+    python benchmarks/runtime_cpu.py --target smollm2 \
+        --prompts ../shared/data/specbench/mt_bench/question.jsonl ../shared/data/specbench/gsm8k/question.jsonl \
+        --num-prompts 2 --heldout 2 --max-new-tokens 64 --drafters moa-tli0 eagle ngram \
+        --chains 3 --trees 3,2,4 4,4,8 5,4,16 6,4,24 --profile
 
-Prompts: held-out stdlib files (vllm_moa/assets/demo/heldout_prompts.json), or any Spec-Bench
-jsonl given with --prompts (through the chat template for SmolLM2). For each prompt, plain decoding and every configuration run back to
-back in the same process (so a noisy neighbour slows both), and every output is checked equal to
-plain greedy decoding. Reports acceptance length, per-position acceptance, tokens/s and the
-speedup over plain decoding (total plain time / total speculative time, each configuration
-paired with its own plain runs; the per-prompt median ratio too). Writes JSON with provenance and a PNG plot to
-benchmarks/results/. --profile adds a cProfile of one MoA run: where the time goes.
+Prompts: the target's shipped held-out prompts (demo: stdlib files; SmolLM2: the drafters'
+held-out chat and coding prompts), or --num-prompts from each Spec-Bench jsonl given with
+--prompts (+ --heldout of the held-out ones), through the chat template for SmolLM2. For each
+prompt, plain decoding and every configuration run back to back in the same process (so a noisy
+neighbour slows both), and every output is checked equal to plain greedy decoding. Reports
+acceptance length, per-position acceptance, tokens/s and the speedup over plain decoding (total
+plain time / total speculative time, each configuration paired with its own plain runs; the
+per-prompt median ratio too). Writes JSON with provenance (taken at start) and a PNG plot to
+benchmarks/results/. --profile adds a cProfile of one MoA tree run: where the time goes.
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ def profile(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens:
         "drafter: grow tree (SA/CA/LM head per level)": ("tree.py", "grow_tree"),
         "drafter: accept (LSA over new rows, compaction)": ("drafters.py", "accept"),
         "LSA (layer self-attention)": ("moa.py", "rows_from_kv"),
-        "LM head (drafter's logits)": ("target.py", "lm_head"),
+        "target LM head (in verification; drafters without a draft vocabulary)": ("target.py", "lm_head"),
         "tree masks / batching": ("tree.py", "verification_inputs"),
         "acceptance walk": ("verify.py", "greedy_accept"),
         "target cache commit": ("cache.py", "commit"),
