@@ -49,7 +49,7 @@ from provenance import provenance as common_provenance
 from provenance import versions
 
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.demo import SHIPPED
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.netsim import LinkConditions, NetSimProcess

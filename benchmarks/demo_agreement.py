@@ -67,7 +67,7 @@ def evaluate_drafter(name: str, recipe, target, examples, workdir: Path) -> tupl
     """Trainer(...).evaluate(examples) with the shipped drafter's weights: agreement at depths 0..eval_depth."""
     import torch
 
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
     from vllm_moa.recipes.stdlib_demo import DRAFTERS
     from vllm_moa.training.trainer import TrainConfig, Trainer
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.recipes.stdlib_demo import StdlibRecipe
     from vllm_moa.target import TargetModel
 

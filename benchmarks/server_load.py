@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from vllm_moa.decoding.chain import plain_greedy_generate
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
     from vllm_moa.target import TargetModel
 

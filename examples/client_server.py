@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.demo import SHIPPED
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.backend import TransformersBackend
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript

@@ -1,5 +1,5 @@
-"""Greedy MoA speculative decoding through the Python API, on the demo models (built on first
-use) or on your own target + drafter directories.
+"""Greedy MoA speculative decoding through the Python API, on the shipped demo models
+(vllm_moa/assets/demo) or on your own target + drafter directories.
 
     python examples/speculative_generate.py
     python examples/speculative_generate.py --target path/to/target --drafter runs/moa/drafter
@@ -19,17 +19,16 @@ from vllm_moa.target import TargetModel
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
-    parser.add_argument("--drafter", type=Path, help="drafter directory (default: the demo drafter)")
+    parser.add_argument("--target", type=Path, help="target directory (default: the shipped demo target)")
+    parser.add_argument("--drafter", type=Path, help="drafter directory (default: the shipped demo MoA TLI=0)")
     parser.add_argument("--prompt", default="def read_config(path):\n    \"\"\"Read a config file.\"\"\"\n")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-draft", type=int, default=4)
     args = parser.parse_args()
     if args.target is None or args.drafter is None:
-        from vllm_moa.demo import build_demo
+        from vllm_moa.shipped import SHIPPED
 
-        root = build_demo()
-        args.target, args.drafter = root / "target", root / "drafter"
+        args.target, args.drafter = args.target or SHIPPED / "target", args.drafter or SHIPPED / "moa-tli0"
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     target = TargetModel.from_pretrained(args.target)
     drafter = load_drafter(args.drafter, target, strict_fingerprint=False).eval()

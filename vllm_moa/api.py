@@ -19,10 +19,10 @@ import torch
 
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams
-from vllm_moa.decoding.tree import DraftSpec
+from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec
 from vllm_moa.target import TargetModel
 
-DEFAULT_TREE = DraftSpec.tree(depth=5, top_k=4, budget=16)
+__all__ = ["DEFAULT_TREE", "Speculator", "generate"]
 
 
 class Speculator:
@@ -39,7 +39,7 @@ class Speculator:
         """Load a target (default: the shipped demo target) and a drafter checked against it."""
         from transformers import AutoTokenizer
 
-        from vllm_moa.demo import SHIPPED, drafter_directory
+        from vllm_moa.shipped import SHIPPED, drafter_directory
         from vllm_moa.models import load_drafter
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,26 +15,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_moa.shipped import MOA_DRAFTERS, SHIPPED, SHIPPED_SMOLLM2
+
 if TYPE_CHECKING:
     from vllm_moa.decoding.tree import DraftSpec
 
-SHIPPED = Path(__file__).parent / "assets" / "demo"
-SHIPPED_SMOLLM2 = Path(__file__).parent / "assets" / "smollm2"
 DEMO_TARGETS = ("smollm2", "stdlib")
-
-
-MOA_DRAFTERS = ("moa-tli0", "moa-tli1")
-SHIPPED_DRAFTERS = (*MOA_DRAFTERS, "eagle", "independent")
-
-
-def drafter_directory(spec: str | Path) -> Path:
-    """A drafter directory given as a path or as the name of a shipped demo drafter."""
-    if Path(spec).is_dir():
-        return Path(spec)
-    if str(spec) in SHIPPED_DRAFTERS:
-        return SHIPPED / str(spec)
-    raise FileNotFoundError(f"drafter {str(spec)!r} is neither a directory nor a shipped demo drafter "
-                            f"({', '.join(SHIPPED_DRAFTERS)})")
 
 
 def demo_models(drafter: str = "moa-tli0", target: str = "stdlib") -> tuple[Path, Path, list[str]]:
@@ -62,11 +48,11 @@ def demo_models(drafter: str = "moa-tli0", target: str = "stdlib") -> tuple[Path
 
 def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: str | None = None,
              drafter: str = "moa-tli0", repeats: int = 3, target: str = "smollm2") -> dict:
-    """Generate with MoA speculative decoding (default: the EAGLE-2 tree of vllm_moa.api) and with
+    """Generate with MoA speculative decoding (default: decoding.tree.DEFAULT_TREE, an EAGLE-2 tree) and with
     plain decoding; return what was measured."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.api import DEFAULT_TREE
+    from vllm_moa.decoding.tree import DEFAULT_TREE
     from vllm_moa.decoding.chain import plain_greedy_generate
     from vllm_moa.decoding.engine import SpeculativeEngine
     from vllm_moa.models import MoADrafter

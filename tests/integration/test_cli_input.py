@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.demo import SHIPPED, run_demo
+from vllm_moa.demo import run_demo
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.target import TargetModel
 
 pytestmark = pytest.mark.skipif(not (SHIPPED / "target" / "model.safetensors").is_file(),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_moa.demo import SHIPPED
+from vllm_moa.shipped import SHIPPED
 
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 pytestmark = [pytest.mark.skipif(not (SHIPPED / "target" / "model.safetensors").is_file(),

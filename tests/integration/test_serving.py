@@ -203,7 +203,7 @@ def test_cli_serve_and_client_end_to_end_on_the_demo_models(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel
 
     with socket.socket() as s:

@@ -195,7 +195,7 @@ def test_trained_demo_drafter_survives_cuts_and_its_offline_drafts_are_confirmed
 
     from transformers import AutoTokenizer
 
-    from vllm_moa.demo import SHIPPED
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
     from vllm_moa.target import TargetModel
 

@@ -108,7 +108,7 @@ def test_converted_logits_equal_transformers_gguf_loading(target, prompt_ids, tm
 
 
 def _shipped_drafters() -> list[str]:
-    from vllm_moa.demo import SHIPPED_SMOLLM2
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
 
     if not SHIPPED_SMOLLM2.is_dir():
         return []
@@ -123,7 +123,7 @@ def test_shipped_drafters_reproduce_transformers_generate(target, prompt_ids, tr
     converted target, keep greedy output identical to transformers' `generate`, and are trained:
     they get more than one token per target forward on a chat prompt they never saw (a drafter
     that never agrees with the target gets exactly 1.0)."""
-    from vllm_moa.demo import SHIPPED_SMOLLM2
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
     from vllm_moa.models import load_drafter
 
     drafter = load_drafter(SHIPPED_SMOLLM2 / name, target).eval()

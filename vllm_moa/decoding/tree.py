@@ -52,7 +52,7 @@ class DraftSpec:
         return cls(depth=num_draft)
 
     @classmethod
-    def tree(cls, depth: int = 5, top_k: int = 4, budget: int = 24) -> DraftSpec:
+    def tree(cls, depth: int = 5, top_k: int = 4, budget: int = 16) -> DraftSpec:
         return cls(depth=depth, top_k=top_k, budget=budget)
 
     @property
@@ -71,6 +71,9 @@ class DraftSpec:
 
     def describe(self) -> str:
         return f"chain K={self.depth}" if self.is_chain else f"tree depth={self.depth} top_k={self.top_k} budget={self.budget}"
+
+
+DEFAULT_TREE = DraftSpec.tree()  # the runtime's, the API's and the demo's default draft
 
 
 @dataclass

@@ -78,7 +78,7 @@ def serve(
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.demo import SHIPPED, drafter_directory
+    from vllm_moa.shipped import SHIPPED, drafter_directory
     from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
     from vllm_moa.serving.protocol import ServerLimits
     from vllm_moa.serving.security import check_exposure, is_loopback, load_tokens
@@ -159,7 +159,7 @@ def client(
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.demo import SHIPPED, drafter_directory
+    from vllm_moa.shipped import SHIPPED, drafter_directory
     from vllm_moa.models import load_drafter
     from vllm_moa.serving.client import (
         ProtocolError,
