@@ -53,7 +53,7 @@ def main() -> None:
     target_dir = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = TargetModel.from_pretrained(target_dir)
-    texts = read_prompts(args.prompts)
+    texts = read_prompts(args.prompts)[: max(args.batches)]  # batch b takes the first b, cycled
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     drafters = {name: "ngram" if name == "ngram" else load_drafter(SHIPPED_SMOLLM2 / name, target).eval()
                 for name in args.drafters}

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
-from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
+from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402
 from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=192, help="keep the last N prompt tokens")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--chains", type=int, nargs="+", default=[3, 5, 7])
-    parser.add_argument("--trees", type=tree_spec, nargs="+", default=[DraftSpec.tree(5, 4, 16)],
+    parser.add_argument("--trees", type=tree_spec, nargs="+", default=[DEFAULT_TREE],
                         metavar="DEPTH,TOP_K,BUDGET")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
     parser.add_argument("--threads", type=int, default=None)
@@ -93,10 +93,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     prov = common_provenance(torch_threads=torch.get_num_threads())  # at start: the code that runs
-    sources = ["heldout"] if args.prompts is None else [p.parent.name or p.stem for p in args.prompts]
-    if args.prompts is not None and args.heldout:
-        sources.append("heldout")
-    source = "-".join(sources) if args.target == "smollm2" or args.prompts is not None else "stdlib-heldout"
+    if args.prompts is None:
+        sources = ["stdlib-heldout" if args.target == "demo" else "heldout"]
+    else:
+        sources = [p.parent.name or p.stem for p in args.prompts] + (["heldout"] if args.heldout else [])
+    source = "-".join(sources)
     prefix = "runtime_cpu" if args.target == "demo" else f"runtime_cpu_{args.target}"
     out = args.out or ROOT / "benchmarks" / "results" / f"{prefix}_{source}.json"
 
