@@ -19,7 +19,6 @@ What is measured (median of triton.testing.do_bench, or CUDA events when unavail
   kernel vs the twin (per-sequence gather + masked SDPA) vs dense SDPA alone on K/V already
   gathered into a padded [B, H, T_k, d] tensor (the cost of attention without paging), with the
   achieved KV-read bandwidth.
-* Tree acceptance (kernels/accept.py): greedy and sampling kernels vs their twins.
 Every Triton result is also checked against its twin (max abs difference recorded).
 
 Results: JSON with the device, versions and every row, to benchmarks/results/.
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import json
 import os
 import platform
@@ -43,28 +41,6 @@ def _needs_gpu_message() -> str:
     return ("bench_kernels.py: no CUDA GPU found; nothing was measured. The Triton kernels are "
             "benchmarked on a GPU only (run `--smoke` to exercise the script on CPU under the "
             "Triton interpreter; its timings are meaningless).")
-
-
-def _import_kernels():
-    """vllm_moa.kernels, also from a source checkout that was not pip-installed."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import vllm_moa.kernels as kernels
-
-        return kernels
-    except ModuleNotFoundError as err:
-        if err.name != "vllm_moa.kernels":
-            raise
-    import vllm_moa
-
-    folder = ROOT / "kernels"
-    spec = importlib.util.spec_from_file_location("vllm_moa.kernels", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_moa.kernels"] = module
-    spec.loader.exec_module(module)
-    vllm_moa.kernels = module
-    return module
 
 
 def _bench(fn, smoke: bool) -> float:
@@ -254,47 +230,13 @@ def bench_tree(kernels, device, dtype, configs, smoke):
     return rows_out
 
 
-def bench_accept(kernels, device, configs, smoke):
-    import torch
-
-    rows_out = []
-    g = torch.Generator().manual_seed(0)
-    for batch, nodes, vocab in configs:
-        trees = [_random_tree(nodes, g) for _ in range(batch)]
-        parents = torch.tensor(sum(trees, [])).to(device)
-        cu = torch.arange(0, (batch + 1) * nodes, nodes, device=device)
-        masks = kernels.tree_ancestor_masks(parents, cu)
-        total = batch * nodes
-        target_tokens = torch.randint(0, 4, (total,), device=device)
-        draft = torch.randint(0, 4, (total,), device=device)
-        greedy_args = (draft, target_tokens, parents, masks, cu)
-        p = torch.softmax(torch.randn(total, vocab, device=device), -1)
-        q = torch.softmax(torch.randn(total, vocab, device=device), -1)
-        samp_args = (draft, parents, cu, p, q, torch.rand(total, device=device), torch.rand(batch, device=device))
-        same_g = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(kernels.tree_accept_greedy_triton(*greedy_args),
-                                                                   kernels.tree_accept_greedy_reference(*greedy_args)))
-        same_s = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(kernels.tree_accept_sampling_triton(*samp_args),
-                                                                   kernels.tree_accept_sampling_reference(*samp_args)))
-        row = dict(kernel="tree_accept", batch=batch, tree_nodes=nodes, vocab=vocab,
-                   greedy_equal_twin=same_g, sampling_equal_twin=same_s,
-                   greedy_ms_triton=_bench(lambda: kernels.tree_accept_greedy_triton(*greedy_args), smoke),
-                   greedy_ms_twin=_bench(lambda: kernels.tree_accept_greedy_reference(*greedy_args), smoke),
-                   sampling_ms_triton=_bench(lambda: kernels.tree_accept_sampling_triton(*samp_args), smoke),
-                   sampling_ms_twin=_bench(lambda: kernels.tree_accept_sampling_reference(*samp_args), smoke))
-        rows_out.append(row)
-        print(f"accept B={batch} n={nodes} V={vocab}: greedy {row['greedy_ms_triton']:.3f} ms (twin "
-              f"{row['greedy_ms_twin']:.3f}), sampling {row['sampling_ms_triton']:.3f} ms (twin "
-              f"{row['sampling_ms_twin']:.3f})", flush=True)
-    return rows_out
-
-
 # ---------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device; numbers are not benchmarks")
-    parser.add_argument("--only", choices=["lsa", "tree", "accept"], action="append", help="run only these")
+    parser.add_argument("--only", choices=["lsa", "tree"], action="append", help="run only these")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
     args = parser.parse_args(argv)
 
@@ -307,7 +249,7 @@ def main(argv=None) -> int:
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["VLLM_MOA_KERNELS"] = "triton"
-    kernels = _import_kernels()
+    import vllm_moa.kernels as kernels  # the top-level kernels/ folder, installed by setup.py
     if not kernels.HAS_TRITON:
         print("bench_kernels.py: Triton is not installed; nothing was measured.", file=sys.stderr)
         return 2
@@ -315,13 +257,12 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda" if has_cuda else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    only = set(args.only or ["lsa", "tree", "accept"])
+    only = set(args.only or ["lsa", "tree"])
 
     if args.smoke:
         lsa_shapes = [("tiny", 3, 1, 64, 2, 64)]
         lsa_tokens = [1, 5]
         tree_configs = [(2, 20, 5, 4, 2, 64)]
-        accept_configs = [(2, 6, 50)]
     else:
         # (name, L, H_kv, d, LSA heads, LSA intermediate)
         lsa_shapes = [("llama3-8b", 32, 8, 128, 16, 2048), ("llama3-70b", 80, 8, 128, 16, 2048)]
@@ -330,15 +271,12 @@ def main(argv=None) -> int:
         tree_configs = [(1, 4096, 64, 32, 8, 128), (8, 2048, 64, 32, 8, 128), (32, 1024, 32, 32, 8, 128)]
         if not args.quick:
             tree_configs += [(1, 32768, 64, 32, 8, 128), (64, 512, 16, 32, 8, 128), (16, 4096, 64, 64, 8, 128)]
-        accept_configs = [(32, 64, 128256), (256, 16, 32000)]
 
     results = []
     if "lsa" in only:
         results += bench_lsa(kernels, device, dtype, lsa_shapes, lsa_tokens, args.smoke)
     if "tree" in only:
         results += bench_tree(kernels, device, dtype, tree_configs, args.smoke)
-    if "accept" in only:
-        results += bench_accept(kernels, device, accept_configs, args.smoke)
 
     info = dict(
         device=torch.cuda.get_device_name(device) if has_cuda else f"cpu ({platform.processor() or 'unknown'}), "

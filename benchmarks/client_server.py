@@ -42,17 +42,16 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance as common_provenance
+from provenance import versions
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from provenance import provenance as common_provenance
-from provenance import versions
-
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.shipped import SHIPPED
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.netsim import LinkConditions, NetSimProcess
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.target import TargetModel
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -67,9 +67,9 @@ def evaluate_drafter(name: str, recipe, target, examples, workdir: Path) -> tupl
     """Trainer(...).evaluate(examples) with the shipped drafter's weights: agreement at depths 0..eval_depth."""
     import torch
 
-    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
     from vllm_moa.recipes.stdlib_demo import DRAFTERS
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.training.trainer import TrainConfig, Trainer
 
     kind, tli, options = DRAFTERS[name]
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from vllm_moa.shipped import SHIPPED
     from vllm_moa.recipes.stdlib_demo import StdlibRecipe
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel
 
     torch.set_num_threads(args.threads)
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     card_table = {n: card["drafters"][n]["heldout_agreement_by_depth"][1 : depth + 1] for n in table
                   if n in card.get("drafters", {})}
     result = {
-        "what": "top-1 agreement with the target at draft depths 1..%d on held-out stdlib files" % depth,
+        "what": f"top-1 agreement with the target at draft depths 1..{depth} on held-out stdlib files",
         "table": table,
-        "agreement_by_depth_0_to_%d" % depth: full,
+        f"agreement_by_depth_0_to_{depth}": full,
         "card_table": card_table,
         "difference_from_card": {n: [round(a - b, 4) for a, b in zip(table[n], card_table[n])] for n in card_table},
         "method": {

@@ -31,8 +31,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
-from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402
 from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402

@@ -44,8 +44,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402
-from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
 

@@ -612,7 +612,7 @@ def summarize(rec: Recorder, load_s: tuple[float, float]) -> dict:
     refusal_latency: list[float] = []
     status = Counter()
     errors = Counter()
-    for t, route, code, seconds, error, deliberate in rows:
+    for _t, route, code, seconds, error, deliberate in rows:
         key = str(code) if code is not None else ("aborted by client" if deliberate else f"error:{error}")
         by_route[route][key] += 1
         status[key] += 1
@@ -725,8 +725,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from vllm_moa.decoding.chain import plain_greedy_generate
-    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel
 
     torch.set_num_threads(1)

@@ -31,8 +31,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from vllm_moa.shipped import SHIPPED  # noqa: E402
 from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.shipped import SHIPPED  # noqa: E402
 
 
 def resolve_target(name: str) -> Path:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bring vLLM 0.26.0 to the offline GPU machine and run the plugin's GPU checks there.
-# Repeatable recipe (README "vLLM plugin" > "On the offline GPU machine"); three stages:
+# Repeatable recipe (docs/vllm-plugin.md, "On the offline GPU machine"); three stages:
 #
 #   1. here, with network:   benchmarks/vllm_gpu.sh prepare
 #        packs vLLM 0.26.0 + the packages the GPU image lacks (shared/tools/offline-vllm/prepare.py,

@@ -20,12 +20,12 @@ import torch
 from transformers import AutoTokenizer
 
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.shipped import SHIPPED
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.backend import TransformersBackend
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.netsim import LinkConditions, NetSim
 from vllm_moa.serving.server import ServerThread, create_app
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.target import TargetModel
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for MoA's two hot paths inside a serving engine, each with a PyTorch twin.
+"""Triton kernels for MoA inside a serving engine, each with a PyTorch twin.
 
 Installed as ``vllm_moa.kernels`` (the folder is the repository's top-level ``kernels/``).
 
@@ -18,11 +18,7 @@ Tree attention over a paged KV cache (kernels/tree.py)
     tree_attention_triton(...)      the Triton kernel
     tree_attention_reference(...)   the twin: dense boolean mask + F.scaled_dot_product_attention
     tree_ancestor_masks(parents, cu_seqlens) -> int64 [T]
-Tree acceptance (kernels/accept.py; optional fused kernels, one program per tree)
-    tree_accept_greedy(draft_tokens, target_tokens, parents, ancestor_masks, cu_seqlens, backend=)
-    tree_accept_sampling(draft_tokens, parents, cu_seqlens, target_probs, draft_probs, uniforms,
-                         bonus_uniforms, backend=)          -> TreeAcceptance (dispatch)
-    tree_accept_{greedy,sampling}_{triton,reference}(...)
+    Its caller is tree verification inside vLLM's engine (issue 17), not built yet.
 Paged caches (kernels/paged.py; the layout is documented there)
     split_kv_cache, gather_slots, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,
     PagedLayers
@@ -33,15 +29,6 @@ Everything imports without Triton; only calls that resolve to Triton need it.
 """
 
 from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, use_triton
-from .accept import (
-    TreeAcceptance,
-    tree_accept_greedy,
-    tree_accept_greedy_reference,
-    tree_accept_greedy_triton,
-    tree_accept_sampling,
-    tree_accept_sampling_reference,
-    tree_accept_sampling_triton,
-)
 from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
 from .paged import (
     LAYOUTS,
@@ -68,7 +55,6 @@ __all__ = [
     "LAYOUTS",
     "MAX_TREE_NODES",
     "PagedLayers",
-    "TreeAcceptance",
     "gather_layer_rows",
     "gather_slots",
     "interpreting",
@@ -79,12 +65,6 @@ __all__ = [
     "new_kv_cache",
     "slot_mapping",
     "split_kv_cache",
-    "tree_accept_greedy",
-    "tree_accept_greedy_reference",
-    "tree_accept_greedy_triton",
-    "tree_accept_sampling",
-    "tree_accept_sampling_reference",
-    "tree_accept_sampling_triton",
     "tree_ancestor_masks",
     "tree_attention_paged",
     "tree_attention_reference",

@@ -39,7 +39,7 @@ Inference only (no autograd through the Triton path).
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +122,7 @@ def _empty_output(lsa: nn.Module, device: torch.device) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Triton path
 # ---------------------------------------------------------------------------------------------
-_WQKV_CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]]" = weakref.WeakKeyDictionary()
+_WQKV_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 
 
 def fused_qkv_weight(lsa: nn.Module) -> Tensor:

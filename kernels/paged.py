@@ -38,8 +38,9 @@ copy or stacking of the caches is ever made.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Union
 
 import torch
 from torch import Tensor
@@ -174,7 +175,7 @@ class PagedLayers:
         return 2 * self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_caches(cls, caches: Sequence[Tensor] | Tensor, layout: Layout = "flash_attn") -> "PagedLayers":
+    def from_caches(cls, caches: Sequence[Tensor] | Tensor, layout: Layout = "flash_attn") -> PagedLayers:
         layers = layer_caches(caches)
         if not layers:
             raise ValueError("need at least one layer cache")

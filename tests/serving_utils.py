@@ -9,6 +9,7 @@ import threading
 import torch
 
 from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
+from vllm_moa.kinds import ModelFreeDrafter
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
 from vllm_moa.serving.backend import TransformersBackend
 from vllm_moa.serving.protocol import ServerLimits
@@ -59,7 +60,7 @@ class GatedBackend(TransformersBackend):
 def running_server(target, drafters: dict, limits: ServerLimits | None = None, tokens: list[str] | None = None,
                    backend_cls: type[TransformersBackend] = TransformersBackend, **app_kwargs):
     """Yields (url, app, backend) of a real server on 127.0.0.1 (a free port)."""
-    backend = backend_cls(target, {k: v for k, v in drafters.items() if not isinstance(v, str)})
+    backend = backend_cls(target, {k: v for k, v in drafters.items() if not isinstance(v, (str, ModelFreeDrafter))})
     app = create_app(backend, limits, tokens, **app_kwargs)
     server = ServerThread(app)
     url = server.start()

@@ -7,7 +7,8 @@
         print(piece, end="")
 
 `target` is a transformers directory (Llama / Qwen2 / Mistral); `drafter` is a drafter directory
-trained by `vllm-moa train`, a shipped demo drafter name, "ngram", or None (plain decoding).
+trained by `vllm-moa train`, a shipped demo drafter name, a model-free kind ("ngram", "none") or
+None (plain decoding); see vllm_moa/kinds.
 """
 
 from __future__ import annotations
@@ -39,17 +40,14 @@ class Speculator:
         """Load a target (default: the shipped demo target) and a drafter checked against it."""
         from transformers import AutoTokenizer
 
-        from vllm_moa.shipped import SHIPPED, drafter_directory
-        from vllm_moa.models import load_drafter
+        from vllm_moa.kinds import load
+        from vllm_moa.shipped import SHIPPED
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         target_dir = Path(target) if target is not None else SHIPPED / "target"
         target_model = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        if drafter is None or drafter == "ngram":
-            draft = drafter
-        else:
-            draft = load_drafter(drafter_directory(drafter), target_model).eval()
+        draft = load(drafter, target_model)
         return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -113,7 +113,7 @@ def generate(
         if not texts:
             raise ValueError("give --prompt (repeatable) or --prompts FILE")
         spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
-        speculator = Speculator.from_pretrained(target, None if drafter == "none" else drafter, spec)
+        speculator = Speculator.from_pretrained(target, drafter, spec)
         kwargs = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       stop=stop or None, ignore_eos=ignore_eos)
         started = time.perf_counter()
@@ -143,13 +143,36 @@ def generate(
                f"TTFT {summary['mean_ttft_s'] * 1000:.0f} ms]", err=True)
 
 
+def _with_train_config_flags(command):
+    """Give `command` (which takes `**config_fields`) one --flag per TrainConfig field, its type,
+    default and help taken from the field's declaration (training/config.py), so that the
+    command never restates them. drafter_options is the JSON --drafter-config instead."""
+    import inspect
+    from typing import Literal, get_origin
+
+    from vllm_moa.training.config import TrainConfig
+
+    signature = inspect.signature(command)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    derived = []
+    for name, field in TrainConfig.model_fields.items():
+        if name == "drafter_options":
+            continue
+        annotation = str if get_origin(field.annotation) is Literal else field.annotation
+        default = field.get_default(call_default_factory=True)
+        derived.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                         default=typer.Option(default, help=field.description)))
+        command.__annotations__[name] = annotation
+    command.__signature__ = signature.replace(parameters=[
+        *[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own], *derived])
+    return command
+
+
 @app.command()
+@_with_train_config_flags
 def train(
     target: Path = typer.Option(..., help="Target model directory (transformers format, with tokenizer)."),
-    output_dir: Path = typer.Option(Path("runs/drafter"), help="Run directory: checkpoints/, metrics.jsonl, drafter/."),
-    drafter: str = typer.Option("moa", help="Drafter kind: moa | eagle (EAGLE-style baseline) | independent (small LM)."),
-    tli: int = typer.Option(0, help="MoA target layer inference: run the target's last N layers on the drafter output."),
-    drafter_config: str = typer.Option("{}", help="JSON object of drafter config sizes, e.g. '{\"sa_intermediate_size\": 512}'."),
+    drafter_config: str = typer.Option("{}", help="JSON object of drafter config options, e.g. '{\"sa_intermediate_size\": 512}' (vllm_moa/config.py declares them)."),
     corpus: list[Path] = typer.Option([], help="Raw text corpus: files or directories (repeatable)."),
     corpus_suffix: str = typer.Option("", help="Only corpus files ending with this (e.g. .py)."),
     seq_len: int = typer.Option(256, help="Corpus window length in tokens."),
@@ -159,36 +182,15 @@ def train(
     temperatures: str = typer.Option("0", help="Comma-separated sampling temperatures for regeneration (0 = greedy)."),
     generator: str = typer.Option("auto", help="Who regenerates responses: vllm (its engine, batched), transformers, or auto (vllm where installed)."),
     eval_fraction: float = typer.Option(0.05, help="Share of examples held out for per-depth agreement."),
-    steps: int = typer.Option(300, help="Optimizer steps."),
-    batch_size: int = typer.Option(8, help="Global batch size in sequences (over all workers)."),
-    max_length: int = typer.Option(512, help="Truncate sequences to this many tokens."),
-    lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW)."),
-    min_lr_ratio: float = typer.Option(0.0, help="Final learning rate as a share of the peak (linear decay)."),
-    warmup_steps: int = typer.Option(50, help="Linear warm-up steps."),
-    weight_decay: float = typer.Option(0.0, help="AdamW weight decay."),
-    grad_clip: float = typer.Option(1.0, help="Gradient norm clip."),
-    kl_weight: float = typer.Option(0.1, help="Weight of forward KL(target || drafter)."),
-    feature_weight: float = typer.Option(1.0, help="Weight of the SmoothL1 feature loss."),
-    anchor_min: int = typer.Option(6, help="Minimum anchor spacing (K-step bound) in the response."),
-    anchor_max: int = typer.Option(14, help="Maximum anchor spacing (drawn uniformly per sample)."),
-    staircase: bool = typer.Option(True, help="Staircase SA mask curriculum early in training."),
-    staircase_until: float = typer.Option(0.5, help="Share of training at which the staircase probability reaches 0."),
-    eagle_rollout: int = typer.Option(1, help="EAGLE feature-autoregression passes in training (1 = teacher forcing)."),
-    eval_depth: int = typer.Option(6, help="Report agreement with the target at draft depths 0..this (0 = the anchor itself)."),
-    precision: str = typer.Option("auto", help="auto (bf16 autocast on CUDA when supported) | fp32 | bf16."),
-    device: str = typer.Option("auto", help="auto | cpu | cuda | cuda:N."),
-    seed: int = typer.Option(0, help="Seed of initialisation, data order, anchors and staircase."),
-    log_every: int = typer.Option(10, help="Write a metrics.jsonl line every N steps."),
-    checkpoint_every: int = typer.Option(100, help="Checkpoint every N steps (and at the end)."),
-    keep_checkpoints: int = typer.Option(2, help="How many recent checkpoints to keep."),
     resume: bool = typer.Option(False, help="Resume from the run's latest checkpoint."),
     resume_from: Optional[Path] = typer.Option(None, help="Resume from this checkpoint directory."),
     ray_workers: int = typer.Option(0, help="Train on Ray with this many workers (0 = this process)."),
     ray_gpu: bool = typer.Option(False, help="Ray workers use one GPU each (nccl); otherwise CPU (gloo)."),
-    progress: bool = typer.Option(True, help="Show progress bars."),
+    **config_fields,
 ) -> None:
     """Train a drafter (MoA, EAGLE-style or independent) for a target, K-step bounded, with
-    online target features; writes checkpoints, metrics.jsonl and the final drafter/."""
+    online target features; writes checkpoints, metrics.jsonl and the final drafter/. Every
+    training option below the data options is a TrainConfig field (vllm_moa/training/config.py)."""
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
@@ -201,23 +203,16 @@ def train(
         options = json.loads(drafter_config)
         if not isinstance(options, dict):
             raise ValueError("--drafter-config must be a JSON object")
-        config = TrainConfig(
-            drafter=drafter, tli=tli, drafter_options=options, steps=steps, batch_size=batch_size,
-            max_length=max_length, lr=lr, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps,
-            weight_decay=weight_decay, grad_clip=grad_clip, kl_weight=kl_weight, feature_weight=feature_weight,
-            anchor_min=anchor_min, anchor_max=anchor_max, staircase=staircase, staircase_until=staircase_until,
-            eagle_rollout=eagle_rollout, eval_depth=eval_depth, precision=precision, device=device, seed=seed,
-            log_every=log_every, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-            output_dir=str(output_dir), progress=progress,
-        )
+        config = TrainConfig(drafter_options=options, **config_fields)
+        output_dir = Path(config.output_dir)
         spec = DataSpec(corpus=[str(c) for c in corpus], corpus_suffix=corpus_suffix, seq_len=seq_len,
                         prompts=str(prompts) if prompts else None, max_prompts=max_prompts,
                         response_tokens=response_tokens,
                         temperatures=[float(t) for t in temperatures.split(",") if t.strip()],
-                        generator=generator, eval_fraction=eval_fraction, seed=seed)
+                        generator=generator, eval_fraction=eval_fraction, seed=config.seed)
         if not target.is_dir():
             raise ValueError(f"--target {target} is not a directory")
-        train_examples, eval_examples = build_examples(spec, target, progress=progress)
+        train_examples, eval_examples = build_examples(spec, target, progress=config.progress)
         resume_arg = resume_from if resume_from else resume
         if ray_workers > 0:
             from vllm_moa.training.distributed import train_with_ray
@@ -225,7 +220,7 @@ def train(
             summary = train_with_ray(config, target, train_examples, eval_examples, ray_workers, ray_gpu,
                                      resume=resume_arg)
         else:
-            model = TargetModel.from_pretrained(target, device=resolve_device(device))
+            model = TargetModel.from_pretrained(target, device=resolve_device(config.device))
             Trainer(config, model, train_examples, eval_examples).train(resume=resume_arg)
             summary = json.loads((output_dir / "summary.json").read_text())
     except ValidationError as err:

@@ -64,7 +64,7 @@ class TargetSignature:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TargetSignature":
+    def from_dict(cls, data: dict[str, Any]) -> TargetSignature:
         if not isinstance(data, dict):
             raise DrafterConfigError(f"config key 'target' must be an object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -83,7 +83,7 @@ class TargetSignature:
                     )
         return cls(**data)
 
-    def check_compatible(self, actual: "TargetSignature", *, strict_fingerprint: bool = True) -> None:
+    def check_compatible(self, actual: TargetSignature, *, strict_fingerprint: bool = True) -> None:
         """Raise `DrafterTargetMismatch` naming the first field where `actual` differs."""
         for name in self.SHAPE_FIELDS:
             want, got = getattr(self, name), getattr(actual, name)
@@ -101,30 +101,81 @@ class TargetSignature:
             )
 
 
+@dataclass(frozen=True)
+class Option:
+    """One drafter option, declared once: its type, default and meaning. The config's attributes,
+    constructor defaults, config.json validation and `vllm-moa train --drafter-config` keys all
+    come from these declarations. A float option also takes an int (10000 is a fine rope_theta);
+    every other type is checked strictly."""
+
+    type: type
+    default: Any
+    help: str
+    required: bool = True  # in config.json (False: older checkpoints lack it; the default applies)
+
+    def validate(self, key: str, value: Any, source: str) -> None:
+        try:
+            TypeAdapter(self.type).validate_python(value, strict=self.type is not float)
+        except ValidationError as err:
+            raise DrafterConfigError(f"{source}: key {key!r} has invalid value {value!r}: "
+                                     f"{err.errors()[0]['msg']}") from None
+
+
+def _decoder_options(heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict[str, Option]:
+    """The options of one Llama-style decoder block (EAGLE-style and independent drafters)."""
+    return {
+        "num_heads": Option(int, heads, "attention heads"),
+        "num_kv_heads": Option(int, kv_heads, "key/value heads (GQA; divides num_heads)"),
+        "head_dim": Option(int, head_dim, "size of one head (even: rotary embedding)"),
+        "intermediate_size": Option(int, intermediate, "SwiGLU hidden size"),
+        "rope_theta": Option(float, 10000.0, "rotary embedding base"),
+        "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
+    }
+
+
 class DrafterConfigBase(PretrainedConfig):
-    """Shared behaviour: a target signature, strict validation of config.json keys."""
+    """Shared behaviour: a target signature, the options each subclass declares in OPTIONS (set as
+    attributes, with their defaults), strict validation of config.json keys."""
 
     model_type = "moa_drafter_base"
-    # name -> python type, validated by pydantic when a config is read from disk.
-    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {}
-    # fields every drafter kind has, optional in config.json (older checkpoints lack them):
-    # draft_vocab_size: 0 = the target's whole vocabulary; N > 0 = a reduced draft vocabulary of
-    # N target token ids (EAGLE-3), stored as the `draft_vocab` tensor in model.safetensors
-    OPTIONAL_FIELDS: ClassVar[dict[str, Any]] = {"draft_vocab_size": int}
+    # every drafter kind has these; draft_vocab_size 0 = the target's whole vocabulary, N > 0 = a
+    # reduced draft vocabulary of N target token ids (EAGLE-3), stored as the `draft_vocab` tensor
+    # in model.safetensors
+    BASE_OPTIONS: ClassVar[dict[str, Option]] = {
+        "draft_vocab_size": Option(int, 0, "reduced draft vocabulary size (0 = the target's)", required=False),
+    }
+    OPTIONS: ClassVar[dict[str, Option]] = {}
     SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = True
 
-    def __init__(self, target: dict[str, Any] | TargetSignature | None = None, draft_vocab_size: int = 0,
-                 **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # transformers >= 5 turns a config subclass without an __init__ of its own into a dataclass
+        # with a generated one; every drafter config keeps this generic, OPTIONS-driven __init__
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = DrafterConfigBase.__init__
+        super().__init_subclass__(**kwargs)
+
+    def __init__(self, target: dict[str, Any] | TargetSignature | None = None, **kwargs: Any) -> None:
         if isinstance(target, TargetSignature):
             target = target.to_dict()
         self.target = target
-        self.draft_vocab_size = draft_vocab_size
+        for key, option in self.option_fields().items():
+            value = kwargs.pop(key, option.default)
+            setattr(self, key, float(value) if option.type is float else value)
         super().__init__(**kwargs)
 
     @classmethod
-    def option_fields(cls) -> dict[str, Any]:
-        """Every drafter option a training run may set (required and optional)."""
-        return {**cls.DRAFTER_FIELDS, **cls.OPTIONAL_FIELDS}
+    def option_fields(cls) -> dict[str, Option]:
+        """Every option of this drafter kind (what a training run's drafter_options may set)."""
+        return {**cls.OPTIONS, **cls.BASE_OPTIONS}
+
+    @classmethod
+    def check_option(cls, key: str, value: Any, source: str = "config") -> None:
+        """A DrafterConfigError naming the key unless `key` is an option and `value` fits its type."""
+        options = cls.option_fields()
+        if key not in options:
+            raise DrafterConfigError(f"{source}: unknown key {key!r} for {cls.__name__}; known: "
+                                     f"{', '.join(sorted(options))}")
+        options[key].validate(key, value, source)
 
     def check_draft_vocab(self, source: str = "config") -> None:
         size, vocab = self.draft_vocab_size, self.target_signature.vocab_size
@@ -142,7 +193,7 @@ class DrafterConfigBase(PretrainedConfig):
 
     # -- validation ---------------------------------------------------------------------------
     @classmethod
-    def validated_from_dict(cls, data: dict[str, Any], source: str = "config") -> "DrafterConfigBase":
+    def validated_from_dict(cls, data: dict[str, Any], source: str = "config") -> DrafterConfigBase:
         """Build a config from a JSON object, naming the offending key on any problem."""
         if not isinstance(data, dict):
             raise DrafterConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
@@ -153,19 +204,9 @@ class DrafterConfigBase(PretrainedConfig):
             )
         base_keys = set(PretrainedConfig().to_dict()) | {"model_type", "target"}
         for key, value in data.items():
-            if key in base_keys:
-                continue
-            fields_ = cls.option_fields()
-            if key not in fields_:
-                raise DrafterConfigError(f"{source}: unknown key {key!r} for {cls.__name__}")
-            try:
-                strict = fields_[key] is not float  # 10000 is a fine rope_theta
-                TypeAdapter(fields_[key]).validate_python(value, strict=strict)
-            except ValidationError as err:
-                raise DrafterConfigError(
-                    f"{source}: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}"
-                ) from None
-        missing = [key for key in cls.DRAFTER_FIELDS if key not in data]
+            if key not in base_keys:
+                cls.check_option(key, value, source)
+        missing = [key for key, option in cls.option_fields().items() if option.required and key not in data]
         if missing:
             raise DrafterConfigError(f"{source}: missing key(s) {', '.join(missing)}")
         if "target" not in data:
@@ -181,7 +222,7 @@ class DrafterConfigBase(PretrainedConfig):
         """Per-config semantic checks (divisibility, ranges); override."""
 
     @classmethod
-    def read(cls, directory: str | Path) -> "DrafterConfigBase":
+    def read(cls, directory: str | Path) -> DrafterConfigBase:
         path, data = _read_config_json(directory)
         return cls.validated_from_dict(data, source=str(path))
 
@@ -220,57 +261,22 @@ class MoAConfig(DrafterConfigBase):
     """
 
     model_type = "moa_drafter"
-    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
-        "tli": int,
-        "lsa_num_heads": int,
-        "lsa_intermediate_size": int,
-        "lsa_rope_theta": float,
-        "sa_num_heads": int,
-        "sa_num_kv_heads": int,
-        "sa_head_dim": int,
-        "sa_intermediate_size": int,
-        "ca_num_heads": int,
-        "ca_num_kv_heads": int,
-        "ca_head_dim": int,
-        "ca_intermediate_size": int,
-        "rope_theta": float,
-        "rms_norm_eps": float,
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "tli": Option(int, 0, "target layer inference: the target's last N layers run on the drafter's output"),
+        "lsa_num_heads": Option(int, 4, "LSA heads (divide the LSA width 2*Ekv into even-sized heads)"),
+        "lsa_intermediate_size": Option(int, 256, "LSA SwiGLU hidden size"),
+        "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions are layer indices)"),
+        "sa_num_heads": Option(int, 4, "self-attention heads"),
+        "sa_num_kv_heads": Option(int, 2, "self-attention key/value heads (divides sa_num_heads)"),
+        "sa_head_dim": Option(int, 16, "self-attention head size (even)"),
+        "sa_intermediate_size": Option(int, 256, "self-attention block's SwiGLU hidden size"),
+        "ca_num_heads": Option(int, 4, "cross-attention heads"),
+        "ca_num_kv_heads": Option(int, 2, "cross-attention key/value heads (divides ca_num_heads)"),
+        "ca_head_dim": Option(int, 16, "cross-attention head size (even)"),
+        "ca_intermediate_size": Option(int, 256, "cross-attention block's SwiGLU hidden size"),
+        "rope_theta": Option(float, 10000.0, "rotary base of SA and CA (token positions)"),
+        "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
     }
-
-    def __init__(
-        self,
-        target: dict[str, Any] | TargetSignature | None = None,
-        tli: int = 0,
-        lsa_num_heads: int = 4,
-        lsa_intermediate_size: int = 256,
-        lsa_rope_theta: float = 10000.0,
-        sa_num_heads: int = 4,
-        sa_num_kv_heads: int = 2,
-        sa_head_dim: int = 16,
-        sa_intermediate_size: int = 256,
-        ca_num_heads: int = 4,
-        ca_num_kv_heads: int = 2,
-        ca_head_dim: int = 16,
-        ca_intermediate_size: int = 256,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        **kwargs: Any,
-    ) -> None:
-        self.tli = tli
-        self.lsa_num_heads = lsa_num_heads
-        self.lsa_intermediate_size = lsa_intermediate_size
-        self.lsa_rope_theta = float(lsa_rope_theta)
-        self.sa_num_heads = sa_num_heads
-        self.sa_num_kv_heads = sa_num_kv_heads
-        self.sa_head_dim = sa_head_dim
-        self.sa_intermediate_size = sa_intermediate_size
-        self.ca_num_heads = ca_num_heads
-        self.ca_num_kv_heads = ca_num_kv_heads
-        self.ca_head_dim = ca_head_dim
-        self.ca_intermediate_size = ca_intermediate_size
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        super().__init__(target=target, **kwargs)
 
     def check_values(self, source: str = "config") -> None:
         sig = self.target_signature
@@ -298,33 +304,7 @@ class EagleDrafterConfig(DrafterConfigBase):
     """EAGLE-style baseline: one decoder layer over fc([token embedding; target last hidden])."""
 
     model_type = "moa_eagle_drafter"
-    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
-        "num_heads": int,
-        "num_kv_heads": int,
-        "head_dim": int,
-        "intermediate_size": int,
-        "rope_theta": float,
-        "rms_norm_eps": float,
-    }
-
-    def __init__(
-        self,
-        target: dict[str, Any] | TargetSignature | None = None,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        head_dim: int = 16,
-        intermediate_size: int = 256,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        **kwargs: Any,
-    ) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.intermediate_size = intermediate_size
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        super().__init__(target=target, **kwargs)
+    OPTIONS: ClassVar[dict[str, Option]] = _decoder_options(heads=4, kv_heads=2, head_dim=16, intermediate=256)
 
     def check_values(self, source: str = "config") -> None:
         _positive(self, source, "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -336,39 +316,11 @@ class IndependentDrafterConfig(DrafterConfigBase):
 
     model_type = "moa_independent_drafter"
     SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = False  # it has its own LM head: shrink that instead
-    DRAFTER_FIELDS: ClassVar[dict[str, Any]] = {
-        "hidden_size": int,
-        "num_layers": int,
-        "num_heads": int,
-        "num_kv_heads": int,
-        "head_dim": int,
-        "intermediate_size": int,
-        "rope_theta": float,
-        "rms_norm_eps": float,
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "hidden_size": Option(int, 64, "model width"),
+        "num_layers": Option(int, 2, "decoder layers"),
+        **_decoder_options(heads=4, kv_heads=2, head_dim=16, intermediate=256),
     }
-
-    def __init__(
-        self,
-        target: dict[str, Any] | TargetSignature | None = None,
-        hidden_size: int = 64,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        head_dim: int = 16,
-        intermediate_size: int = 256,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        **kwargs: Any,
-    ) -> None:
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.intermediate_size = intermediate_size
-        self.rope_theta = float(rope_theta)
-        self.rms_norm_eps = float(rms_norm_eps)
-        super().__init__(target=target, **kwargs)
 
     def check_values(self, source: str = "config") -> None:
         _positive(self, source, "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -376,17 +328,14 @@ class IndependentDrafterConfig(DrafterConfigBase):
         _divisible(self, source, "num_heads", "num_kv_heads")
 
 
-DRAFTER_CONFIGS: dict[str, type[DrafterConfigBase]] = {
-    cls.model_type: cls for cls in (MoAConfig, EagleDrafterConfig, IndependentDrafterConfig)
-}
-
-
 def read_drafter_config(directory: str | Path) -> DrafterConfigBase:
     """Read and validate any drafter's config.json, dispatching on its `model_type`."""
     path, data = _read_config_json(directory)
+    from vllm_moa.kinds import all_kinds, for_config
+
     model_type = data.get("model_type") if isinstance(data, dict) else None
-    if model_type not in DRAFTER_CONFIGS:
-        raise DrafterConfigError(
-            f"{path}: key 'model_type' is {model_type!r}; expected one of {sorted(DRAFTER_CONFIGS)}"
-        )
-    return DRAFTER_CONFIGS[model_type].validated_from_dict(data, source=str(path))
+    kind = for_config(model_type)
+    if kind is None:
+        known = sorted(k.config_class.model_type for k in all_kinds() if k.trainable)
+        raise DrafterConfigError(f"{path}: key 'model_type' is {model_type!r}; expected one of {known}")
+    return kind.config_class.validated_from_dict(data, source=str(path))

@@ -108,7 +108,8 @@ class AttentionProjections(nn.Module):
 
 
 class KVCache:
-    """One attention's K/V over a growing sequence: k, v [B, H_kv, T, d]; cropped on rollback."""
+    """One attention's K/V over a growing sequence: k, v [B, H_kv, T, d]; cropped on rollback.
+    The building block of the target's caches (target.LayeredKVCache) and the drafters' own."""
 
     def __init__(self) -> None:
         self.k: Tensor | None = None

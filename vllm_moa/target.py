@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -32,10 +33,34 @@ class UnsupportedTargetError(ValueError):
     """The target is not a Llama/Qwen2-family causal LM."""
 
 
+@runtime_checkable
+class LayeredKVCache(Protocol):
+    """The contract of a cache the target writes through (`TargetModel.forward`, and
+    `run_last_layers` for TLI's predicted rows). Two caches implement it:
+
+      TargetKVCache           one growing sequence (or a batch of equal length): plain decoding,
+                              training, TLI caches of the MoA drafter
+      decoding.cache.SlotKVCache  a batch of sequences of different lengths in per-sequence slots,
+                              draft trees compacted to their accepted paths: the runtime and server
+
+    `layers.KVCache` is the building block below them: one attention's K/V (`append(k, v)`), also
+    the drafters' own attention caches."""
+
+    @property
+    def length(self) -> int:
+        """Positions before this forward's new tokens (for a batch: its longest sequence)."""
+        ...
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v [B, H_kv, N, d]: this forward's new tokens in `layer` (post-RoPE K) -> the K/V
+        they attend over [B, H_kv, S, d], themselves included."""
+        ...
+
+
 @dataclass
 class TargetKVCache:
     """Per-layer K/V of the target, post-RoPE: one `KVCache` per layer, keys[l] / values[l] are
-    [B, H_kv, T, d]."""
+    [B, H_kv, T, d]. A `LayeredKVCache`."""
 
     layers: list[KVCache] = field(default_factory=list)
 
@@ -127,7 +152,7 @@ class TargetModel(nn.Module):
     # -- loading ------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "TargetModel":
+                        device: str | torch.device = "cpu") -> TargetModel:
         import transformers
         from packaging.version import Version
         from transformers import AutoModelForCausalLM
@@ -231,7 +256,7 @@ class TargetModel(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        cache: TargetKVCache | None = None,
+        cache: LayeredKVCache | None = None,
         positions: Tensor | None = None,
         attn_mask: Tensor | None = None,
     ) -> TargetOutput:
@@ -270,7 +295,7 @@ class TargetModel(nn.Module):
         true_keys: list[Tensor],
         true_values: list[Tensor],
         attn_mask: Tensor,
-        pred_cache: TargetKVCache | None = None,
+        pred_cache: LayeredKVCache | None = None,
     ) -> Tensor:
         """Run the target's last `num_layers` layers + final norm on predicted hidden states.
 

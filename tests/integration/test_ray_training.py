@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from tiny_models import make_hf_target
+
 from vllm_moa.target import TargetModel
 from vllm_moa.training.data import DraftExample
 from vllm_moa.training.trainer import TrainConfig, Trainer

@@ -7,9 +7,9 @@ import socket
 
 import httpx
 import pytest
-
 from serving_utils import DRAFTER_KINDS, running_server, tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.serving.client import RemoteDraftingClient, RequestRefused, Transcript

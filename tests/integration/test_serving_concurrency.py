@@ -6,6 +6,7 @@ import threading
 
 from serving_utils import DRAFTER_KINDS, running_server, tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.protocol import ServerLimits

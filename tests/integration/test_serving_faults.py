@@ -11,9 +11,9 @@ import time
 from collections import Counter
 
 import pytest
-
 from serving_utils import DRAFTER_KINDS, running_server, tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.netsim import LinkConditions, NetSim
@@ -195,8 +195,8 @@ def test_trained_demo_drafter_survives_cuts_and_its_offline_drafts_are_confirmed
 
     from transformers import AutoTokenizer
 
-    from vllm_moa.shipped import SHIPPED
     from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel
 
     target = TargetModel.from_pretrained(SHIPPED / "target")

@@ -10,9 +10,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from serving_utils import running_server, tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.serving.client import RemoteDraftingClient
 from vllm_moa.serving.local import open_local

@@ -10,9 +10,9 @@ import threading
 import httpx
 import pytest
 import torch
-
 from serving_utils import GatedBackend, running_server, tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.serving.backend import TransformersBackend
@@ -117,7 +117,7 @@ def test_health_and_refusals_answer_while_every_worker_waits_for_the_target(targ
             backend.gate.set()
             for t in threads:
                 t.join(timeout=300)
-        for i, s in enumerate(sessions):
+        for i in range(len(sessions)):
             r = answers[("verify", i)]
             assert r.status_code == 200 and r.json()["next_token"] == expected[i][1], (i, r.text[:200])
         greedy = plain_greedy_generate(target, PROMPT, 3).token_ids

@@ -6,15 +6,15 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import make_target
 from transformers import AutoTokenizer
 
-from tiny_models import make_target
 from vllm_moa.config import DrafterTargetMismatch
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.shipped import SHIPPED
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter, load_drafter
+from vllm_moa.shipped import SHIPPED
 from vllm_moa.target import TargetModel
 
 pytestmark = pytest.mark.skipif(not (SHIPPED / "target" / "model.safetensors").is_file(),

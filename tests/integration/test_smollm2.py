@@ -123,8 +123,8 @@ def test_shipped_drafters_reproduce_transformers_generate(target, prompt_ids, tr
     converted target, keep greedy output identical to transformers' `generate`, and are trained:
     they get more than one token per target forward on a chat prompt they never saw (a drafter
     that never agrees with the target gets exactly 1.0)."""
-    from vllm_moa.shipped import SHIPPED_SMOLLM2
     from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
 
     drafter = load_drafter(SHIPPED_SMOLLM2 / name, target).eval()
     result = SpeculativeEngine(target, drafter, spec).generate([prompt_ids], max_tokens=NEW_TOKENS, eos_token_id=2)[0]

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from tiny_models import make_target
+
 from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
 from vllm_moa.models import MoADrafter

@@ -5,9 +5,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from tiny_models import make_target
-from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
+
+from vllm_moa.config import (
+    DrafterConfigError,
+    DrafterTargetMismatch,
+    EagleDrafterConfig,
+    IndependentDrafterConfig,
+    MoAConfig,
+)
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter, load_drafter
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from tiny_models import make_target, oracle_sessions
+
 from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -100,7 +100,7 @@ def test_caches_after_each_round_equal_a_fresh_computation(target, prompts, gree
     drafter = make_drafter(kind, target)
     batch_prompts, batch_greedy = prompts[:4], greedy[:4]
     sessions = iter(oracle_sessions(kind, drafter, target, batch_prompts, batch_greedy))
-    monkeypatch.setattr(engine_module, "open_session", lambda _drafter, _target: next(sessions))
+    monkeypatch.setattr(engine_module.kinds, "open_runtime_session", lambda _drafter, _target: next(sessions))
     engine = SpeculativeEngine(target, drafter, DraftSpec.tree(depth=4, top_k=3, budget=10))
     batch = engine.start(batch_prompts, [NEW_TOKENS] * 4)
     rounds = 0

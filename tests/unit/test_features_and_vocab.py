@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from tiny_models import make_target
+
 from vllm_moa.config import DrafterConfigError, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import make_hf_target, oracle_sessions
 from transformers import GenerationConfig
 
-from tiny_models import make_hf_target, oracle_sessions
 from vllm_moa.config import EagleDrafterConfig, MoAConfig
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -70,7 +70,7 @@ def test_deep_tree_acceptance_equals_hf_generate(models, kind, monkeypatch):
     target, prompts, expected = models
     drafter = _drafter(kind, target)
     sessions = iter(oracle_sessions(kind, drafter, target, prompts, expected))
-    monkeypatch.setattr(engine_module, "open_session", lambda _drafter, _target: next(sessions))
+    monkeypatch.setattr(engine_module.kinds, "open_runtime_session", lambda _drafter, _target: next(sessions))
     results = SpeculativeEngine(target, drafter, FULL_TREE).generate(prompts, NEW_TOKENS)
     assert [r.token_ids for r in results] == expected
     accepted = [a for r in results for a in r.accepted_per_forward]  # path lengths, root included

@@ -3,8 +3,8 @@ incremental drafting k steps past that anchor (fp32, max abs diff <= 1e-4)."""
 
 import pytest
 import torch
-
 from tiny_models import make_target
+
 from vllm_moa.config import MoAConfig
 from vllm_moa.models import MoADrafter, TrainingBatchView
 from vllm_moa.training.masks import anchor_flags, last_anchor

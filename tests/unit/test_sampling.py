@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-
 from tiny_models import make_target
+
 from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.chain import plain_generate, speculative_generate
 from vllm_moa.decoding.engine import SpeculativeEngine

@@ -5,9 +5,9 @@ the client's drafter sessions fed by payloads."""
 import pytest
 import torch
 from pydantic import ValidationError
-
 from serving_utils import tiny_drafters
 from tiny_models import make_target
+
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
 from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.serving.adaptive import DraftController

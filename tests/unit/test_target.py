@@ -1,8 +1,9 @@
 import pytest
 import torch
-
 from tiny_models import make_target
-from vllm_moa.target import TargetKVCache, TargetModel, UnsupportedTargetError
+
+from vllm_moa.decoding.cache import SlotKVCache
+from vllm_moa.target import LayeredKVCache, TargetKVCache, TargetModel, UnsupportedTargetError
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -28,6 +29,24 @@ def test_incremental_cache_matches_full_forward():
     assert cache.length == 9
     again = target(ids[:, 9:], cache)
     torch.testing.assert_close(again.logits, full.logits[:, 9:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_class", [TargetKVCache, SlotKVCache])
+def test_both_target_caches_keep_the_layered_cache_contract(cache_class):
+    """Whichever LayeredKVCache the target writes through, an incremental forward equals the full one."""
+    target = make_target("llama")
+    ids = torch.randint(0, 97, (1, 12))
+    cache = TargetKVCache() if cache_class is TargetKVCache else SlotKVCache(target.num_layers, [0])
+    assert isinstance(cache, LayeredKVCache)
+    outputs = []
+    for chunk in (ids[:, :5], ids[:, 5:]):
+        if isinstance(cache, SlotKVCache):
+            cache.begin_round(chunk.shape[1], ids.device)
+        outputs.append(target(chunk, cache).logits)
+        if isinstance(cache, SlotKVCache):
+            cache.commit(0, list(range(chunk.shape[1])))
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(outputs, 1), target(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_signature_and_fingerprint_are_dtype_independent():

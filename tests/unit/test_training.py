@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from tiny_models import make_target
+
 from vllm_moa.training.data import DatasetError, DraftExample, collate
 from vllm_moa.training.masks import (
     anchor_flags,

@@ -5,7 +5,8 @@ Per layer one buffer k, v [B, H_kv, capacity, d]; sequence b holds its verified 
 largest) at slots lengths[b] .. lengths[b]+N-1, the forward attends the first max(lengths) + N
 slots under a per-sequence mask (tree.verification_inputs), and `commit` then moves the accepted
 path's entries down to lengths[b].. (compaction: nothing is recomputed). Slots past lengths[b] are
-scratch. `TargetModel.forward` drives it through `append(layer, k, v)`, like `TargetKVCache`.
+scratch. A `target.LayeredKVCache`: `TargetModel.forward` drives it through `append(layer, k, v)`,
+like `TargetKVCache`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.models import Drafter
+from vllm_moa.kinds.registry import DrafterArg
 from vllm_moa.target import TargetKVCache, TargetModel
 
 
@@ -55,12 +55,12 @@ def plain_greedy_generate(target: TargetModel, prompt_ids: list[int], max_new_to
     return plain_generate(target, prompt_ids, max_new_tokens, None, None, eos_token_id)
 
 
-def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
+def speculative_generate(target: TargetModel, drafter: DrafterArg, prompt_ids: list[int],
                          max_new_tokens: int, num_draft: int = 4, sampling: SamplingParams | None = None,
                          seed: int | None = None, eos_token_id: int | None = None,
                          on_tokens: Callable[[list[int]], None] | None = None,
                          spec: DraftSpec | None = None) -> GenerationResult:
-    """Speculative decoding of one prompt with any drafter (MoA, EAGLE-style, independent, or
+    """Speculative decoding of one prompt with any drafter (a drafter object of any kind, or
     "ngram"): a chain of `num_draft` tokens, or the tree `spec`. Greedy (sampling None or
     temperature 0): output equals the target's greedy decoding. Otherwise lossless sampling;
     `seed` makes a run reproducible. `on_tokens` receives each round's verified tokens."""
@@ -70,7 +70,7 @@ def speculative_generate(target: TargetModel, drafter: Drafter | str, prompt_ids
     return engine.generate([prompt_ids], max_new_tokens, sampling, seed, eos_token_id, on_tokens=stream)[0]
 
 
-def speculative_greedy_generate(target: TargetModel, drafter: Drafter | str, prompt_ids: list[int],
+def speculative_greedy_generate(target: TargetModel, drafter: DrafterArg, prompt_ids: list[int],
                                 max_new_tokens: int, num_draft: int = 4,
                                 eos_token_id: int | None = None) -> GenerationResult:
     return speculative_generate(target, drafter, prompt_ids, max_new_tokens, num_draft, None, None, eos_token_id)

@@ -1,4 +1,5 @@
-"""One drafting interface over every drafter: MoA, EAGLE-style, independent LM, n-gram lookup.
+"""One drafting interface over every drafter: MoA, EAGLE-style, independent LM, n-gram lookup
+(each kind names its session in vllm_moa/kinds/).
 
 A `DraftSession` follows one sequence through speculative decoding:
 
@@ -27,7 +28,7 @@ from torch import Tensor
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, grow_tree
 from vllm_moa.layers import KVCache, causal_mask_after
-from vllm_moa.models import Drafter, EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
 from vllm_moa.target import TargetModel, TargetOutput
 
 
@@ -237,15 +238,3 @@ class NgramSession:
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.history += tree.tokens[path].tolist()
 
-
-def open_session(drafter: Drafter | str, target: TargetModel) -> DraftSession:
-    """A drafting session for `drafter` (a loaded drafter, or "ngram")."""
-    if drafter == "ngram":
-        return NgramSession()
-    if isinstance(drafter, MoADrafter):
-        return MoASession(drafter, target)
-    if isinstance(drafter, EagleDrafter):
-        return EagleSession(drafter, target)
-    if isinstance(drafter, IndependentDrafter):
-        return IndependentSession(drafter)
-    raise TypeError(f"no drafting session for {type(drafter).__name__}")

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from vllm_moa.decoding.cache import SlotKVCache
-from vllm_moa.decoding.drafters import DraftSession, open_session
+from vllm_moa.decoding.drafters import DraftSession
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.models import Drafter
+from vllm_moa.kinds import registry as kinds
+from vllm_moa.kinds.registry import DrafterArg
 from vllm_moa.target import TargetModel, TargetOutput
 
 
@@ -102,15 +103,15 @@ class _Sequence:
 
 
 class SpeculativeEngine:
-    """target + drafter (a loaded drafter, "ngram", or None for plain decoding through the same
-    batched loop) + what to draft each round."""
+    """target + drafter (any kind's drafter object: a loaded drafter, NgramDrafter, NoDrafter for
+    plain decoding through the same batched loop; None and "ngram" are accepted for the latter
+    two) + what to draft each round."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | str | None, spec: DraftSpec | None = None,
-                 tokenizer=None) -> None:
-        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+    def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None) -> None:
+        self.target, self.tokenizer = target, tokenizer
+        self.drafter = kinds.as_drafter(drafter)
+        self.drafts = kinds.kind_of(self.drafter).runtime_session is not None
         self.spec = spec or DraftSpec.chain(4)
-        if isinstance(drafter, str) and drafter != "ngram":
-            raise ValueError(f"drafter must be a loaded drafter, 'ngram' or None, got {drafter!r}")
         config = getattr(target.hf_model, "config", None)
         self.context_window: int | None = getattr(config, "max_position_embeddings", None)
 
@@ -135,7 +136,7 @@ class SpeculativeEngine:
             if len(prompt) + budget > self.context_window:
                 raise ValueError(f"max_tokens={budget} with a {len(prompt)}-token prompt exceeds the context "
                                  f"window ({self.context_window})")
-            if self.drafter is not None and self.spec.max_nodes + 1 > self.context_window - len(prompt):
+            if self.drafts and self.spec.max_nodes + 1 > self.context_window - len(prompt):
                 raise ValueError(f"tree budget {self.spec.max_nodes} (+1 root) is larger than the "
                                  f"{self.context_window - len(prompt)} positions the context window leaves "
                                  f"after prompt {i}")
@@ -182,7 +183,7 @@ class GenerationBatch:
         self._eos, self._stop, self._on_tokens = eos_token_id, list(stop or []), on_tokens
         self._started = time.perf_counter()
         self.sequences = [
-            _Sequence(i, list(p), budget, None if self.drafter is None else open_session(self.drafter, self.target),
+            _Sequence(i, list(p), budget, kinds.open_runtime_session(self.drafter, self.target),
                       GenerationResult([]))
             for i, (p, budget) in enumerate(zip(prompts, budgets))
         ]

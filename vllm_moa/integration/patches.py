@@ -123,7 +123,7 @@ class SpeculativePostInitPatch(VllmPatch):
         def __post_init__(self):  # noqa: N807
             if self.method != compat.METHOD:
                 return original(self)
-            from vllm_moa.integration.draft_config import V2_RUNNER_ENV, check_model_runner, check_moa_drafter
+            from vllm_moa.integration.draft_config import V2_RUNNER_ENV, check_moa_drafter, check_model_runner
 
             target = self.target_model_config
             parallel = self.target_parallel_config

@@ -81,7 +81,7 @@ class Drafter(nn.Module):
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
         self._head_rows = None
 
-    def _vocab_head(self, target: "TargetModel") -> nn.Linear:
+    def _vocab_head(self, target: TargetModel) -> nn.Linear:
         """The target LM head's rows of the draft vocabulary as a frozen [E -> N] linear layer
         (cached while the head and the vocabulary are unchanged)."""
         weight = target.lm_head_weight()
@@ -92,13 +92,13 @@ class Drafter(nn.Module):
             self._head_rows = (key, head)
         return self._head_rows[1]
 
-    def vocab_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
+    def vocab_logits(self, feature: Tensor, target: TargetModel) -> Tensor:
         """feature [..., E] -> logits [..., N] over the draft vocabulary ([..., V]: the whole one)."""
         if self.draft_vocab is None:
             return target.lm_head(feature)
         return linear(feature, self._vocab_head(target))
 
-    def draft_logits(self, feature: Tensor, target: "TargetModel") -> Tensor:
+    def draft_logits(self, feature: Tensor, target: TargetModel) -> Tensor:
         """feature [..., E] -> logits [..., V] over the target's vocabulary; tokens outside the
         draft vocabulary get -inf (never drafted; verification stays full-vocabulary)."""
         logits = self.vocab_logits(feature, target)
@@ -107,8 +107,8 @@ class Drafter(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 
-    def training_forward(self, batch: TrainingBatchView, target: "TargetModel",
-                         target_out: "TargetOutput") -> DraftOutput:
+    def training_forward(self, batch: TrainingBatchView, target: TargetModel,
+                         target_out: TargetOutput) -> DraftOutput:
         raise NotImplementedError
 
     # -- checkpoint format --------------------------------------------------------------------
@@ -123,8 +123,8 @@ class Drafter(nn.Module):
         replace_directory(tmp, directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: "TargetModel | None" = None,
-                        strict_fingerprint: bool = True) -> "Drafter":
+    def from_pretrained(cls, directory: str | Path, target: TargetModel | None = None,
+                        strict_fingerprint: bool = True) -> Drafter:
         """Load a drafter; with `target`, refuse it unless it was trained for that target."""
         config = cls.config_class.read(directory)
         if target is not None:
@@ -162,12 +162,12 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def load_drafter(directory: str | Path, target: "TargetModel | None" = None,
+def load_drafter(directory: str | Path, target: TargetModel | None = None,
                  strict_fingerprint: bool = True) -> Drafter:
     """Load any drafter checkpoint, dispatching on config.json's model_type."""
     from vllm_moa.config import read_drafter_config
-    from vllm_moa.models import DRAFTER_CLASSES
+    from vllm_moa.kinds import for_config
 
     config = read_drafter_config(directory)
-    return DRAFTER_CLASSES[config.model_type].from_pretrained(directory, target, strict_fingerprint)
+    return for_config(config.model_type).drafter_class.from_pretrained(directory, target, strict_fingerprint)
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from vllm_moa.config import IndependentDrafterConfig
-from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
-from vllm_moa.packed_linear import Linear
 from vllm_moa.layers import DecoderBlock, KVCache, RMSNorm, causal_mask_after
+from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
+from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.masks import self_attention_mask
 

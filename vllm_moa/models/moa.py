@@ -19,8 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from vllm_moa.config import MoAConfig
-from vllm_moa.models.base import DraftOutput, Drafter, TrainingBatchView
-from vllm_moa.packed_linear import Linear
 from vllm_moa.layers import (
     AttentionProjections,
     DecoderBlock,
@@ -32,6 +30,8 @@ from vllm_moa.layers import (
     attend,
     causal_mask_after,
 )
+from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
+from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
 from vllm_moa.training.masks import cross_attention_mask, self_attention_mask, target_layers_mask
 

@@ -335,7 +335,7 @@ def model_card(report: dict) -> str:
         f"({r['num_prompts']} prompts x greedy and T={r['sample_temperature']}, {r['response_tokens']} tokens each), "
         f"same data and budget ({r['drafter_steps']} steps x {r['drafter_batch']} sequences):",
         "",
-        "| drafter | parameters | top-1 agreement with the target at depth 1..%d (held-out) | train time |" % r["eval_depth"],
+        f"| drafter | parameters | top-1 agreement with the target at depth 1..{r['eval_depth']} (held-out) | train time |",
         "|---|---|---|---|",
     ]
     for name, d in report["drafters"].items():

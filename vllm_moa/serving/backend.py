@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import Counter
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +32,9 @@ from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.models import Drafter, EagleDrafter, IndependentDrafter, MoADrafter
-from vllm_moa.serving.payload import encode
+from vllm_moa.kinds import registry as kinds
+from vllm_moa.kinds.registry import DrafterKind
+from vllm_moa.models import Drafter, MoADrafter
 from vllm_moa.serving.protocol import (
     DrafterInfo,
     GenerateRequest,
@@ -85,15 +86,6 @@ def lsa_fingerprint(drafter: MoADrafter) -> str:
     return digest.hexdigest()[:16]
 
 
-def drafter_kind(drafter: Drafter | str) -> str:
-    if drafter == "ngram":
-        return "ngram"
-    for cls, kind in ((MoADrafter, "moa"), (EagleDrafter, "eagle"), (IndependentDrafter, "independent")):
-        if isinstance(drafter, cls):
-            return kind
-    raise TypeError(f"not a drafter: {type(drafter).__name__}")
-
-
 @dataclass
 class BackendSession:
     """One sequence on the server. tokens: what the target has run (== cache length); pending:
@@ -101,7 +93,7 @@ class BackendSession:
 
     tokens: list[int]
     pending: int
-    kind: str  # sync payload kind: moa | eagle | none
+    kind: DrafterKind  # the client drafter's kind: what the sync payload carries
     encoding: str
     sampling: SamplingParams | None
     generator: torch.Generator | None
@@ -159,7 +151,7 @@ class TransformersBackend(TargetBackend):
         self._served: list[tuple[DrafterInfo, MoADrafter | None]] = []
         for name, drafter in (drafters or {}).items():
             drafter.config.target_signature.check_compatible(target.signature)
-            kind = drafter_kind(drafter)
+            kind = kinds.kind_of(drafter).name
             if isinstance(drafter, MoADrafter):
                 drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
                 info = DrafterInfo(name=name, kind="moa", tli=drafter.tli, lsa_fingerprint=lsa_fingerprint(drafter))
@@ -172,7 +164,7 @@ class TransformersBackend(TargetBackend):
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
                         device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        target_name: str | None = None, min_forward_ms: float = 0.0) -> "TransformersBackend":
+                        target_name: str | None = None, min_forward_ms: float = 0.0) -> TransformersBackend:
         from vllm_moa.models import load_drafter
 
         target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
@@ -222,7 +214,7 @@ class TransformersBackend(TargetBackend):
             else:
                 generator.manual_seed(request.sampling.seed)
         session = BackendSession(
-            tokens=list(request.prompt), pending=-1, kind={"moa": "moa", "eagle": "eagle"}.get(decl.kind, "none"),
+            tokens=list(request.prompt), pending=-1, kind=kinds.get(decl.kind),
             encoding=request.encoding, sampling=sampling, generator=generator, drafter=served,
             cache=SlotKVCache(self.target.num_layers, [0]),
         )
@@ -358,20 +350,9 @@ class TransformersBackend(TargetBackend):
     def _sync(self, session: BackendSession, out: TargetOutput, nodes: list[int], start: int) -> SyncPayload:
         """The client drafter's inputs for the forward's `nodes` (in order), at positions start.."""
         payload = SyncPayload(start=start, count=len(nodes))
-        if not nodes or session.kind == "none":
-            return payload
-        index = torch.tensor(nodes, device=out.logits.device)
-        if session.kind == "eagle":
-            payload.hidden = encode(out.hidden_states[-1][0].index_select(0, index), session.encoding)  # [n, E]
-            return payload
-        drafter = session.drafter
-        keys = [k.index_select(2, index) for k in out.keys]  # L x [1, H_kv, n, d]
-        values = [v.index_select(2, index) for v in out.values]
-        payload.rows = encode(drafter.rows_from_kv(keys, values)[0], session.encoding)  # [n, E]
-        if drafter.tli > 0:
-            first = len(keys) - drafter.tli
-            payload.tli_keys = encode(torch.cat(keys[first:], dim=0), session.encoding)  # [tli, H_kv, n, d]
-            payload.tli_values = encode(torch.cat(values[first:], dim=0), session.encoding)
+        if nodes and session.kind.server_sync is not None:
+            index = torch.tensor(nodes, device=out.logits.device)
+            session.kind.server_sync(payload, out, index, session.encoding, session.drafter)
         return payload
 
 

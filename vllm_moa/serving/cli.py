@@ -78,12 +78,12 @@ def serve(
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.shipped import SHIPPED, drafter_directory
     from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
     from vllm_moa.serving.protocol import ServerLimits
     from vllm_moa.serving.security import check_exposure, is_loopback, load_tokens
     from vllm_moa.serving.server import create_app
     from vllm_moa.serving.server import serve as run
+    from vllm_moa.shipped import SHIPPED, drafter_directory
     from vllm_moa.target import UnsupportedTargetError
 
     try:
@@ -157,10 +157,9 @@ def client(
     tokens), then resync with the server, rolling back from the first token the target rejects."""
     from transformers import AutoTokenizer
 
+    from vllm_moa import kinds
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.shipped import SHIPPED, drafter_directory
-    from vllm_moa.models import load_drafter
     from vllm_moa.serving.client import (
         ProtocolError,
         RemoteDraftingClient,
@@ -168,6 +167,7 @@ def client(
         ServerUnavailable,
         Transcript,
     )
+    from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel, UnsupportedTargetError
 
     try:
@@ -175,14 +175,12 @@ def client(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         target_dir = target or SHIPPED / "target"
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        local_target, model = None, None
-        if drafter == "ngram":
-            model = "ngram"
-        elif drafter != "api":
+        local_target = None
+        if drafter not in ("api", *kinds.names(lambda kind: kind.model_free)):
             local_target = TargetModel.from_pretrained(target_dir)
             if target is None:
                 local_target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-            model = load_drafter(drafter_directory(drafter), local_target).eval()
+        model = kinds.load(None if drafter == "api" else drafter, local_target)
         prompt_ids = tokenizer(prompt)["input_ids"]
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,

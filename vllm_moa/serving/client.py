@@ -40,7 +40,8 @@ from pydantic import BaseModel, ValidationError
 
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.models import Drafter
+from vllm_moa.kinds import registry as kinds
+from vllm_moa.kinds.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
 from vllm_moa.serving.local import LocalSession, decode_sync, open_local, propose
 from vllm_moa.serving.payload import PayloadError
@@ -81,7 +82,7 @@ class StreamEvent:
     kind: Literal["verified", "unverified", "rollback", "done"]
     start: int
     tokens: list[int] = field(default_factory=list)
-    result: "ClientResult | None" = None
+    result: ClientResult | None = None
 
 
 class Transcript:
@@ -261,7 +262,8 @@ class _Run:
 class RemoteDraftingClient:
     """Speculative decoding against a verification server (see the module docstring).
 
-    drafter:  a loaded drafter (MoA, EAGLE-style, independent), "ngram", or None for the plain
+    drafter:  a drafter object of a kind that drafts on a client (a loaded MoA, EAGLE-style or
+              independent drafter, NgramDrafter or "ngram"), or NoDrafter / None for the plain
               "API call" baseline (/v1/generate, streamed; nothing is produced while disconnected)
     target:   a local TargetModel for the drafter's shared parts (embedding, LM head, last TLI
               layers); needed by MoA and EAGLE. Its other layers never run here.
@@ -269,7 +271,7 @@ class RemoteDraftingClient:
     tree_top_k: draft EAGLE-2 trees this wide (depth adaptive) instead of chains
     """
 
-    def __init__(self, url: str, drafter: Drafter | str | None, target: TargetModel | None = None, *,
+    def __init__(self, url: str, drafter: DrafterArg, target: TargetModel | None = None, *,
                  token: str | None = None, encoding: str = "fp16", num_draft: int | None = None,
                  tree_top_k: int | None = None, max_depth: int = 16, timeout: float = 10.0,
                  connect_timeout: float = 3.0, backoff_s: float = 0.05, backoff_max_s: float = 2.0,
@@ -281,7 +283,10 @@ class RemoteDraftingClient:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
         if tree_top_k is not None and tree_top_k < 1:
             raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
-        if drafter is not None:
+        drafter = kinds.as_drafter(drafter)
+        kind = kinds.kind_of(drafter)
+        self.drafts = kind.runtime_session is not None  # a kind that drafts at all (not "none")
+        if self.drafts:
             open_local(drafter, target)  # refuses a drafter that cannot run here, before any call
         self.drafter, self.target, self.tokenizer = drafter, target, tokenizer
         self.encoding, self.num_draft, self.tree_top_k, self.max_depth = encoding, num_draft, tree_top_k, max_depth
@@ -294,7 +299,7 @@ class RemoteDraftingClient:
     def close(self) -> None:
         self.transport.close()
 
-    def __enter__(self) -> "RemoteDraftingClient":
+    def __enter__(self) -> RemoteDraftingClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -332,7 +337,7 @@ class RemoteDraftingClient:
         run = _Run(prompt, max_tokens, eos_token_id, sampling, generator, seed, ClientResult([], 0))
         started = time.perf_counter()
         calls0, sent0, received0 = self.transport.calls, self.transport.bytes_sent, self.transport.bytes_received
-        events = self._api_events(run) if self.drafter is None else self._spec_events(run)
+        events = self._spec_events(run) if self.drafts else self._api_events(run)
         first = True
         try:
             for event in events:

@@ -28,8 +28,9 @@ from vllm_moa.config import TargetSignature
 from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession, NgramSession
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.models import Drafter, EagleDrafter, IndependentDrafter, MoADrafter
-from vllm_moa.serving.backend import drafter_kind, lsa_fingerprint
+from vllm_moa.kinds.registry import DrafterArg
+from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.serving.backend import lsa_fingerprint
 from vllm_moa.serving.payload import PayloadError, decode
 from vllm_moa.serving.protocol import DrafterDecl, SyncPayload
 from vllm_moa.target import TargetModel
@@ -233,8 +234,8 @@ class LocalNgram(NgramSession, _Local):
     kind = "ngram"
     device = torch.device("cpu")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        super().__init__(max_ngram, min_ngram)
         self._init_local()
 
     def declaration(self) -> DrafterDecl:
@@ -270,18 +271,18 @@ class LocalNgram(NgramSession, _Local):
 LocalSession = LocalMoA | LocalEagle | LocalIndependent | LocalNgram
 
 
-def open_local(drafter: Drafter | str, target: TargetModel | None) -> LocalSession:
-    """The client-side session for a drafter (a loaded drafter, or "ngram")."""
-    kind = drafter_kind(drafter)
-    if kind in ("moa", "eagle") and target is None:
-        raise ValueError(f"a {kind} drafter needs the target's embedding and LM head on the client: pass target=")
-    if kind == "moa":
-        return LocalMoA(drafter, target)
-    if kind == "eagle":
-        return LocalEagle(drafter, target)
-    if kind == "independent":
-        return LocalIndependent(drafter)
-    return LocalNgram()
+def open_local(drafter: DrafterArg, target: TargetModel | None) -> LocalSession:
+    """The client-side session for a drafter object of any kind that drafts on a client (a loaded
+    drafter, NgramDrafter; "ngram" is accepted for the latter)."""
+    from vllm_moa.kinds import registry as kinds
+
+    drafter = kinds.as_drafter(drafter)
+    kind = kinds.kind_of(drafter)
+    if kind.client_session is None:
+        raise ValueError(f"a {kind.name} drafter does not draft on a client")
+    if kind.client_needs_target and target is None:
+        raise ValueError(f"a {kind.name} drafter needs the target's embedding and LM head on the client: pass target=")
+    return kind.client_session(drafter, target)
 
 
 def propose(session: LocalSession, pending: int, spec: DraftSpec) -> DraftTree:

@@ -147,7 +147,7 @@ class NetSim:
             self._thread.join(timeout=10)
             self._loop = None
 
-    def __enter__(self) -> "NetSim":
+    def __enter__(self) -> NetSim:
         self.start()
         return self
 
@@ -417,7 +417,7 @@ class NetSimProcess:
                 self._proc.terminate()
             self._proc = None
 
-    def __enter__(self) -> "NetSimProcess":
+    def __enter__(self) -> NetSimProcess:
         self.start()
         return self
 

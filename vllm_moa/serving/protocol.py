@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from vllm_moa.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
 
@@ -49,7 +49,19 @@ INT32 = 2**31
 
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
 Encoding = Literal["fp16", "int8"]
-DrafterKind = Literal["moa", "eagle", "independent", "ngram"]
+
+
+def _client_kind(name: str) -> str:
+    """A drafter kind that drafts on a client (vllm_moa/kinds: those with a client session)."""
+    from vllm_moa.kinds import registry as kinds
+
+    drafting = kinds.names(lambda kind: kind.client_session is not None)
+    if name not in drafting:
+        raise ValueError(f"drafter kind must be one of {', '.join(drafting)}")
+    return name
+
+
+DrafterKind = Annotated[str, Field(max_length=64), AfterValidator(_client_kind)]
 
 
 class _Request(BaseModel):
@@ -113,8 +125,10 @@ class DrafterDecl(_Request):
     tli: int = Field(0, ge=0, le=4096)
 
     @model_validator(mode="after")
-    def _complete(self) -> "DrafterDecl":
-        if self.kind != "ngram" and self.target is None:
+    def _complete(self) -> DrafterDecl:
+        from vllm_moa.kinds import registry as kinds
+
+        if kinds.get(self.kind).declares_target and self.target is None:
             raise ValueError(f"a {self.kind} drafter must declare the target signature it was trained for")
         if self.kind == "moa" and not self.lsa_fingerprint:
             raise ValueError("a moa drafter must declare lsa_fingerprint (its LSA/Ekv2E weights)")
@@ -137,7 +151,7 @@ class DraftTreeIn(_Request):
     parents: list[int] = Field(min_length=1, max_length=HARD_MAX_NODES)
 
     @model_validator(mode="after")
-    def _shape(self) -> "DraftTreeIn":
+    def _shape(self) -> DraftTreeIn:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
         if self.parents[0] != -1:

@@ -63,13 +63,13 @@ class _Hold:
 class Slot:
     """A reservation (a session being opened, a running generation); `release()` is idempotent."""
 
-    def __init__(self, store: "SessionStore", key: int) -> None:
+    def __init__(self, store: SessionStore, key: int) -> None:
         self.store, self.key = store, key
 
     def release(self) -> None:
         self.store._release(self.key)
 
-    def __enter__(self) -> "Slot":
+    def __enter__(self) -> Slot:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -212,7 +212,7 @@ class TrainingBatch:
     lengths: Tensor
     loss_mask: Tensor
 
-    def to(self, device: torch.device | str) -> "TrainingBatch":
+    def to(self, device: torch.device | str) -> TrainingBatch:
         return TrainingBatch(*(t.to(device) for t in (self.input_ids, self.prompt_lengths, self.lengths, self.loss_mask)))
 
 

@@ -52,7 +52,7 @@ def _plan_digest(examples: Sequence[DraftExample], max_length: int, tli_depths: 
 @torch.no_grad()
 def build_feature_cache(target: TargetModel, examples: Sequence[DraftExample], directory: str | Path,
                         max_length: int, tli_depths: Sequence[int] = (1,), batch_tokens: int = 4096,
-                        progress: bool = True) -> "FeatureCache":
+                        progress: bool = True) -> FeatureCache:
     """Run the target once over `examples` (truncated to `max_length`) and store its features in
     `directory`; resumes an interrupted build of the same plan; returns the opened cache."""
     from tqdm.auto import tqdm

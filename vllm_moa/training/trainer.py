@@ -24,17 +24,18 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from torch import Tensor
 
-from vllm_moa.config import DrafterTargetMismatch, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
-from vllm_moa.models import DRAFTER_CLASSES, Drafter, EagleDrafter, TrainingBatchView
+from vllm_moa import kinds
+from vllm_moa.config import DrafterTargetMismatch
+from vllm_moa.models import Drafter, TrainingBatchView
 from vllm_moa.models.base import DraftOutput, replace_directory
 from vllm_moa.target import TargetModel, TargetOutput
+from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import (
     DatasetError,
     DraftExample,
@@ -47,56 +48,9 @@ from vllm_moa.training.features import FeatureCache
 from vllm_moa.training.losses import agreement_by_depth, drafter_loss
 from vllm_moa.training.masks import anchor_flags, draft_depth, last_anchor
 
-DrafterKind = Literal["moa", "eagle", "independent"]
-FLOAT_FIELDS = ("rope_theta", "lsa_rope_theta", "rms_norm_eps")  # an int is fine there
-CONFIG_FOR_KIND = {"moa": MoAConfig, "eagle": EagleDrafterConfig, "independent": IndependentDrafterConfig}
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint to resume from is missing or unreadable."""
-
-
-class TrainConfig(BaseModel):
-    """Every knob of a training run (the CLI maps one flag to each field)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    drafter: DrafterKind = "moa"
-    tli: int = Field(0, ge=0, description="MoA target layer inference depth N")
-    drafter_options: dict[str, Any] = Field(default_factory=dict, description="drafter config sizes")
-    steps: int = Field(300, gt=0)
-    batch_size: int = Field(8, gt=0, description="global batch (sequences per step, all workers)")
-    max_length: int = Field(512, ge=2)
-    lr: float = Field(6e-4, gt=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    warmup_steps: int = Field(50, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, gt=0)
-    kl_weight: float = Field(0.1, ge=0)
-    feature_weight: float = Field(1.0, ge=0)
-    anchor_min: int = Field(6, ge=1)
-    anchor_max: int = Field(14, ge=1)
-    staircase: bool = True
-    staircase_until: float = Field(0.5, ge=0, le=1, description="fraction of steps at which p(staircase) hits 0")
-    eagle_rollout: int = Field(1, ge=1, description="EAGLE feature-autoregression passes in training")
-    eval_depth: int = Field(6, ge=1)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    device: str = "auto"
-    seed: int = 0
-    log_every: int = Field(10, gt=0)
-    checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(2, ge=1)
-    output_dir: str = "runs/drafter"
-    progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
-        if self.anchor_min > self.anchor_max:
-            raise ValueError(f"anchor_min ({self.anchor_min}) must be <= anchor_max ({self.anchor_max})")
-        if self.drafter != "moa" and self.tli:
-            raise ValueError("tli applies to the moa drafter only")
-        return self
 
 
 @dataclass
@@ -112,21 +66,11 @@ class TrainResult:
 def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
     """A freshly initialised drafter of `config.drafter` kind for `target` (seeded)."""
     options = dict(config.drafter_options)
-    config_class = CONFIG_FOR_KIND[config.drafter]
-    known = config_class.option_fields()
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(
-            f"drafter_options: unknown key(s) {', '.join(map(repr, unknown))} for the {config.drafter} drafter; "
-            f"known: {', '.join(sorted(known))}"
-        )
+    kind = kinds.get(config.drafter)
+    config_class = kind.config_class
     for key, value in options.items():
-        try:
-            TypeAdapter(known[key]).validate_python(value, strict=key not in FLOAT_FIELDS)
-        except ValidationError as err:
-            raise ValueError(f"drafter_options: key {key!r} has invalid value {value!r}: {err.errors()[0]['msg']}") from None
-    if config.drafter == "moa":
-        options["tli"] = config.tli
+        config_class.check_option(key, value, "drafter_options")  # a DrafterConfigError (ValueError) naming it
+    options.update(kind.training_options(config))
     try:
         drafter_config = config_class(target=target.signature, **options)
         drafter_config.check_values("drafter_options")
@@ -134,9 +78,8 @@ def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
     except TypeError as err:
         raise ValueError(f"drafter_options: {err}") from None
     torch.manual_seed(config.seed)
-    drafter = DRAFTER_CLASSES[drafter_config.model_type](drafter_config)
-    if isinstance(drafter, EagleDrafter):
-        drafter.rollout_passes = config.eagle_rollout
+    drafter = kind.drafter_class(drafter_config)
+    kind.prepare_training(drafter, config)
     return drafter
 
 
@@ -269,7 +212,7 @@ class Trainer:
             return self.drafter.vocab_logits(target_out.hidden_states[-1], self.target)
 
     def _forward(self, examples: Sequence[DraftExample], indices: Sequence[int], step: int, p_staircase: float,
-                 eagle_rollout: int | None = None, cached: bool = False):
+                 eval_depth: int | None = None, cached: bool = False):
         batch = collate(examples, max_length=self.config.max_length).to(self.device)
         s, staircase = anchors_for(batch, indices, self.config, step, p_staircase)
         s, staircase = s.to(self.device), staircase.to(self.device)
@@ -281,10 +224,8 @@ class Trainer:
             else:
                 with torch.no_grad():
                     target_out = self.target(batch.input_ids)
-            if isinstance(self.drafter, EagleDrafter) and eagle_rollout is not None:
-                output = self.drafter.training_forward(view, self.target, target_out, rollout_passes=eagle_rollout)
-            else:
-                output = self.drafter.training_forward(view, self.target, target_out)
+            options = {} if eval_depth is None else kinds.kind_of(self.drafter).evaluation_options(eval_depth)
+            output = self.drafter.training_forward(view, self.target, target_out, **options)
         parts = drafter_loss(output, self._target_logits(target_out, output), batch.loss_mask,
                              self.config.kl_weight, self.config.feature_weight)
         return batch, s, output, target_out, parts
@@ -336,7 +277,7 @@ class Trainer:
         for start in range(0, len(examples), batch_size):
             chunk = examples[start : start + batch_size]
             indices = list(range(10**9 + start, 10**9 + start + len(chunk)))  # eval-only rng stream
-            batch, s, output, target_out, _ = self._forward(chunk, indices, 0, 0.0, eagle_rollout=depth + 1)
+            batch, s, output, target_out, _ = self._forward(chunk, indices, 0, 0.0, eval_depth=depth)
             h, c = agreement_by_depth(output.tokens(), target_out.greedy_tokens(), draft_depth(s), batch.loss_mask,
                                       depth)
             hits += h

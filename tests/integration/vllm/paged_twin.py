@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from vllm_moa.kernels.paged import write_slots
 
 from vllm_moa.integration.compat import packed_kv_layout
+from vllm_moa.kernels.paged import write_slots
 
 
 @dataclass

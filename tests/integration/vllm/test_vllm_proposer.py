@@ -5,7 +5,7 @@ and loads the checkpoint), vLLM's KV-cache grouping, `initialize_attn_backend`.
 The target here is the part of a vLLM target model the proposer touches, built from vLLM's own
 modules: embedding, LM head and one `Attention` per layer (vLLM's full Llama cannot be built on
 CPU without vLLM's compiled ops). Drafting itself (`propose`) needs vLLM's Triton helpers and a
-GPU attention backend: GPU-only, see README "vLLM plugin"."""
+GPU attention backend: GPU-only, see docs/vllm-plugin.md."""
 
 from __future__ import annotations
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import device, no_kernel_env_override  # noqa: F401  (fixtures, TRITON_INTERPRET)
-
 pytest.importorskip("triton")
 
 from vllm_moa.config import MoAConfig, TargetSignature  # noqa: E402
@@ -50,7 +48,7 @@ def make_lsa(num_layers: int, num_kv_heads: int, head_dim: int, lsa_heads: int, 
     torch.manual_seed(seed)
     lsa = LayerSelfAttention(config)
     with torch.no_grad():
-        for name, p in lsa.named_parameters():
+        for p in lsa.parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)  # norm weights
             else:

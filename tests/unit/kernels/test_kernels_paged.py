@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import device, no_kernel_env_override  # noqa: F401  (fixtures, TRITON_INTERPRET)
-
 from vllm_moa.kernels import (
     PagedLayers,
     gather_layer_rows,

@@ -13,8 +13,6 @@ import math
 import pytest
 import torch
 
-from kernel_env import device, no_kernel_env_override  # noqa: F401  (fixtures, TRITON_INTERPRET)
-
 pytest.importorskip("triton")
 
 from vllm_moa.kernels import (  # noqa: E402

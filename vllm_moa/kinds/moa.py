@@ -1,0 +1,42 @@
+"""The MoA drafter (the method; docs/method.md): Layer Self-Attention over the target's per-layer
+K/V, cross- and self-attention, optionally the target's last TLI layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vllm_moa.config import MoAConfig
+from vllm_moa.decoding.drafters import MoASession
+from vllm_moa.kinds.registry import DrafterKind, register
+from vllm_moa.models import MoADrafter
+from vllm_moa.serving.local import LocalMoA
+from vllm_moa.serving.payload import encode
+from vllm_moa.serving.protocol import SyncPayload
+from vllm_moa.target import TargetOutput
+
+
+def server_sync(payload: SyncPayload, out: TargetOutput, index: Tensor, encoding: str,
+                served: MoADrafter | None) -> None:
+    """The verified tokens' Ekv2E rows [n, E], made with the server's copy of the LSA weights
+    (`served`), plus the last TLI layers' K/V [tli, H_kv, n, d]."""
+    keys = [k.index_select(2, index) for k in out.keys]  # L x [1, H_kv, n, d]
+    values = [v.index_select(2, index) for v in out.values]
+    payload.rows = encode(served.rows_from_kv(keys, values)[0], encoding)  # [n, E]
+    if served.tli > 0:
+        first = len(keys) - served.tli
+        payload.tli_keys = encode(torch.cat(keys[first:], dim=0), encoding)  # [tli, H_kv, n, d]
+        payload.tli_values = encode(torch.cat(values[first:], dim=0), encoding)
+
+
+MOA = register(DrafterKind(
+    name="moa",
+    summary="Mixture of Attentions: LSA over the target's layers, cross- and self-attention",
+    drafter_class=MoADrafter,
+    config_class=MoAConfig,
+    runtime_session=MoASession,
+    client_session=LocalMoA,
+    server_sync=server_sync,
+    client_needs_target=True,
+    training_options=lambda config: {"tli": config.tli},
+))

@@ -1,0 +1,28 @@
+"""n-gram lookup (prompt lookup): proposes what followed earlier matches of the recent suffix. No
+weights: `NgramDrafter` carries its options only."""
+
+from __future__ import annotations
+
+from vllm_moa.decoding.drafters import NgramSession
+from vllm_moa.kinds.registry import DrafterKind, ModelFreeDrafter, register
+from vllm_moa.serving.local import LocalNgram
+
+
+class NgramDrafter(ModelFreeDrafter):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def __repr__(self) -> str:
+        return f"NgramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
+
+
+NGRAM = register(DrafterKind(
+    name="ngram",
+    summary="n-gram lookup over the sequence so far",
+    drafter_class=NgramDrafter,
+    runtime_session=lambda drafter, target: NgramSession(drafter.max_ngram, drafter.min_ngram),
+    client_session=lambda drafter, target: LocalNgram(drafter.max_ngram, drafter.min_ngram),
+    declares_target=False,
+))

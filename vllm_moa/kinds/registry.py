@@ -1,0 +1,163 @@
+"""The drafter-kind registry: one `DrafterKind` per kind, registered once by its own module in
+vllm_moa/kinds/ (moa.py, eagle.py, independent.py, ngram.py, none.py).
+
+A kind declares everything the rest of the package dispatches on:
+
+    name              what users and the wire protocol call it ("moa", "ngram", ...)
+    drafter_class     the object a user holds: an nn.Module drafter (models/) or a ModelFreeDrafter
+    config_class      its config.json schema (config.py); None: nothing to load or train
+    runtime_session   (drafter, target) -> DraftSession, the runtime's drafter (decoding/drafters.py);
+                      None: plain decoding
+    client_session    (drafter, target | None) -> the client-side session (serving/local.py);
+                      None: the client calls the server's plain generation instead
+    server_sync       fills the SyncPayload the server sends after each verification from the
+                      target's output (serving/backend.py); None: the client needs nothing back
+    client_needs_target  the client-side session reads the target's embedding / LM head
+    declares_target   the client declares the target signature the drafter was trained for
+    training_options  TrainConfig -> extra config options (MoA: its TLI depth)
+    prepare_training  (drafter, TrainConfig) -> None, after a fresh drafter is built (EAGLE: rollout)
+    evaluation_options  depth -> keyword arguments of training_forward when agreement at that depth
+                      is measured (EAGLE: as many feature-autoregression passes as it drafts)
+
+Adding a kind is one new module in vllm_moa/kinds/ calling `register`, plus its name in
+BUILTIN_KINDS below (docs/drafter-kinds.md walks through one). This module imports nothing heavy
+so that every dispatch site can use it; the kind modules are imported on the first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from vllm_moa.models import Drafter
+
+
+class ModelFreeDrafter:
+    """A drafter with no weights and no config.json (n-gram lookup, no drafter at all): built from
+    its name, never trained, loaded or shipped."""
+
+
+AnyDrafter = Union["Drafter", ModelFreeDrafter]  # a drafter object of any kind
+DrafterArg = Union[AnyDrafter, str, None]  # what the runtime's entry points take (see `as_drafter`)
+
+
+def _no_options(config: Any) -> dict[str, Any]:
+    return {}
+
+
+def _nothing(drafter: Any, config: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    summary: str
+    drafter_class: type
+    config_class: type | None = None
+    runtime_session: Callable[[Any, Any], Any] | None = None
+    client_session: Callable[[Any, Any], Any] | None = None
+    server_sync: Callable[..., None] | None = None
+    client_needs_target: bool = False
+    declares_target: bool = True
+    training_options: Callable[[Any], dict[str, Any]] = _no_options
+    prepare_training: Callable[[Any, Any], None] = _nothing
+    evaluation_options: Callable[[int], dict[str, Any]] = _no_options
+
+    @property
+    def trainable(self) -> bool:
+        return self.config_class is not None
+
+    @property
+    def model_free(self) -> bool:
+        return issubclass(self.drafter_class, ModelFreeDrafter)
+
+
+BUILTIN_KINDS = ("moa", "eagle", "independent", "ngram", "none")  # modules of vllm_moa/kinds/, in this order
+_KINDS: dict[str, DrafterKind] = {}
+_builtin_loaded = False
+
+
+def register(kind: DrafterKind) -> DrafterKind:
+    """Register a kind under its name (once: a second registration of a name is a bug)."""
+    if kind.name in _KINDS:
+        raise ValueError(f"drafter kind {kind.name!r} is already registered")
+    if kind.model_free != (kind.config_class is None):
+        raise ValueError(f"drafter kind {kind.name!r}: a model drafter needs a config_class, a model-free one none")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def _registered() -> dict[str, DrafterKind]:
+    global _builtin_loaded
+    if not _builtin_loaded:
+        _builtin_loaded = True
+        for module in BUILTIN_KINDS:
+            importlib.import_module(f"vllm_moa.kinds.{module}")  # each registers its kind
+    return _KINDS
+
+
+def all_kinds() -> list[DrafterKind]:
+    return list(_registered().values())
+
+
+def names(where: Callable[[DrafterKind], bool] = lambda kind: True) -> list[str]:
+    return [kind.name for kind in _registered().values() if where(kind)]
+
+
+def get(name: str) -> DrafterKind:
+    kinds = _registered()
+    if name not in kinds:
+        raise ValueError(f"unknown drafter kind {name!r}; known: {', '.join(kinds)}")
+    return kinds[name]
+
+
+def kind_of(drafter: AnyDrafter) -> DrafterKind:
+    """The kind of a drafter object (a loaded model drafter or a ModelFreeDrafter)."""
+    for kind in _registered().values():
+        if isinstance(drafter, kind.drafter_class):
+            return kind
+    raise TypeError(f"not a drafter: {type(drafter).__name__}")
+
+
+def for_config(model_type: Any) -> DrafterKind | None:
+    """The kind whose config.json has this `model_type` (None if no kind has it)."""
+    for kind in _registered().values():
+        if kind.config_class is not None and kind.config_class.model_type == model_type:
+            return kind
+    return None
+
+
+def as_drafter(drafter: DrafterArg) -> AnyDrafter:
+    """A drafter object from what the runtime's entry points accept: a drafter object, None (no
+    drafter: plain decoding) or a model-free kind's name ("ngram", "none")."""
+    if drafter is None:
+        return get("none").drafter_class()
+    if isinstance(drafter, str):
+        if drafter in _registered() and get(drafter).model_free:
+            return get(drafter).drafter_class()
+        raise ValueError(f"drafter must be a loaded drafter, None, or one of "
+                         f"{', '.join(names(lambda k: k.model_free))}; got {drafter!r}")
+    kind_of(drafter)  # a TypeError for anything else
+    return drafter
+
+
+def load(drafter: str | Path | None, target: Any) -> AnyDrafter:
+    """What a user names on the command line or in the API: a model-free kind's name, None, a
+    shipped drafter's name or a drafter directory (loaded against `target`, in eval mode)."""
+    if drafter is None or (isinstance(drafter, str) and drafter in _registered() and get(drafter).model_free):
+        return as_drafter(drafter)
+    from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import drafter_directory
+
+    return load_drafter(drafter_directory(drafter), target).eval()
+
+
+def open_runtime_session(drafter: AnyDrafter, target: Any) -> Any:
+    """The runtime's drafting session for a drafter object (None: plain decoding)."""
+    kind = kind_of(drafter)
+    return None if kind.runtime_session is None else kind.runtime_session(drafter, target)
