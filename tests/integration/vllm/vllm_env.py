@@ -8,6 +8,8 @@ vLLM's own CpuPlatform before anything reads `current_platform`; conftest.py cal
 from __future__ import annotations
 
 import importlib.util
+import json
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -64,3 +66,47 @@ def engine_config(target: str, speculative_config: dict, **kwargs):
 
     kwargs.setdefault("skip_tokenizer_init", True)
     return EngineArgs(model=target, speculative_config=speculative_config, **kwargs).create_engine_config()
+
+
+# -- engine runs shared by the engine test modules (each configuration runs once per session) ------
+TARGET, DRAFTER, DRAFTER_TLI1 = str(DEMO / "target"), str(DEMO / "moa-tli0"), str(DEMO / "moa-tli1")
+MAX_TOKENS = 48
+ENGINE = {"dtype": "float32", "max_model_len": 1024}
+KS = (1, 3, 5)
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: a small KV cache (vLLM CPU default: a share of RAM)
+
+
+@cache
+def prompts() -> list[list[int]]:
+    """16 held-out stdlib prompts, ragged: the last 24, 36, ..., 204 tokens of each."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    texts = [p["text"] for p in json.loads((DEMO / "heldout_prompts.json").read_text())]
+    return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
+
+
+def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None) -> dict:
+    """speculative_config of MoA: a chain of k, or (tree = (depth, top_k)) a tree of k nodes."""
+    config = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
+    if tree is not None:
+        config["moa_tree"] = {"depth": tree[0], "top_k": tree[1]}
+    return config
+
+
+@cache
+def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
+           stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple[int, int] | None = None):
+    """One engine run over prompts(), cached for the session (`replica` starts another engine of
+    the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
+    and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
+    and recomputes requests."""
+    from vllm_moa.integration.offline import EngineRun, run_engine
+
+    config = {"moa": moa(k, drafter, tree) if k else None,
+              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
+    extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
+             "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
+    run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
+                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra})
+    return run_engine(run, timeout=900, env=ENGINE_ENV)
