@@ -223,3 +223,24 @@ def test_steps_that_need_vllms_chain_rows_are_verified_as_chains():
              "logits processor CustomProcessor": (_sampling(logitsprocs=SimpleNamespace(all=[CustomProcessor()])), False)}
     for reason, (sampling, structured) in cases.items():
         assert chain_only_reason(sampling, structured) == reason
+
+
+def test_preorder_puts_the_best_path_first_and_keeps_parents_first():
+    from vllm_moa.integration.tree import preorder
+
+    ordered = preorder(_drafted().by_request["a"])
+    # root; 1 (best child) with its subtree 3 -> 6, then 4; then 2 with 5
+    assert ordered.tokens.tolist() == [0, 11, 13, 16, 14, 12, 15]
+    assert ordered.parents == [-1, 0, 1, 2, 1, 0, 5] and ordered.depths == [0, 1, 2, 3, 2, 1, 2]
+    assert all(p < i for i, p in enumerate(ordered.parents))
+
+
+def test_tree_setup_refuses_what_acts_on_chain_verification():
+    from vllm_moa.integration.draft_config import check_tree_setup
+
+    check_tree_setup(SimpleNamespace(num_speculative_tokens_per_batch_size=None, rejection_sample_method="standard"), None)
+    for spec, kv, word in ((SimpleNamespace(num_speculative_tokens_per_batch_size=[(1, 8, 4)]), None, "per_batch_size"),
+                           (SimpleNamespace(rejection_sample_method="synthetic"), None, "rejection_sample_method"),
+                           (SimpleNamespace(), object(), "kv_transfer_config")):
+        with pytest.raises(UnsupportedMoASetup, match=word):
+            check_tree_setup(spec, kv)

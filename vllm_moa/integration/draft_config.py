@@ -179,3 +179,16 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
     except ValueError as err:
         raise UnsupportedMoASetup(f"{TREE_FIELD} {moa_tree} with num_speculative_tokens={budget}: {err}") from None
 
+
+
+def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
+    """vLLM options that act on chain verification and that draft trees do not take (yet)."""
+    chain_only = {
+        "num_speculative_tokens_per_batch_size": getattr(speculative_config, "num_speculative_tokens_per_batch_size", None),
+        "rejection_sample_method": getattr(speculative_config, "rejection_sample_method", "standard") != "standard",
+        "kv_transfer_config": kv_transfer_config,
+    }
+    for option, value in chain_only.items():
+        if value:
+            raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) do not take {option} (it acts on vLLM's chain "
+                                      f"verification or its KV layout per step); drop one of them")

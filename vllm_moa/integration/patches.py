@@ -128,7 +128,7 @@ class SpeculativePostInitPatch(VllmPatch):
 
         @functools.wraps(original)
         def __post_init__(self):  # noqa: N807
-            from vllm_moa.integration.draft_config import TREE_FIELD, tree_spec
+            from vllm_moa.integration.draft_config import TREE_FIELD, check_tree_setup, tree_spec
 
             moa_tree = getattr(self, TREE_FIELD, None)
             if self.method != compat.METHOD:
@@ -154,6 +154,7 @@ class SpeculativePostInitPatch(VllmPatch):
                 if self.num_speculative_tokens is None:
                     raise ValueError(f"{TREE_FIELD} needs num_speculative_tokens: the tree's node budget")
                 tree_spec(moa_tree, self.num_speculative_tokens, drafter.tli, compat.installed_vllm_version())
+                check_tree_setup(self, None)
             self.method = "draft_model"
             try:
                 result = original(self)

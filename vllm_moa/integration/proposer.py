@@ -34,7 +34,13 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_moa.decoding.tree import TreeGrowth
 from vllm_moa.integration import compat, patches, tree
-from vllm_moa.integration.draft_config import TREE_FIELD, UnsupportedMoASetup, check_kv_cache_dtype, tree_spec
+from vllm_moa.integration.draft_config import (
+    TREE_FIELD,
+    UnsupportedMoASetup,
+    check_kv_cache_dtype,
+    check_tree_setup,
+    tree_spec,
+)
 from vllm_moa.integration.model import MoADraftModel
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
 
@@ -64,6 +70,7 @@ class MoAProposer(DraftModelProposer):
         self._root_hidden: torch.Tensor | None = None  # [B, E] tree mode: the first pass's output at the roots
         self._chain_only_reason: str | None = None  # logged when it changes
         if self.tree_spec is not None:
+            check_tree_setup(spec, vllm_config.kv_transfer_config)
             patches.apply_tree_patches()
 
     def _create_draft_vllm_config(self) -> VllmConfig:
@@ -133,10 +140,17 @@ class MoAProposer(DraftModelProposer):
         if len(backends) != 1:
             raise UnsupportedMoASetup(f"target layers run on several attention backends: {sorted(backends)}")
         backend = backends.pop()
-        if self.tree_spec is not None and backend not in tree.TREE_BACKENDS:
-            raise UnsupportedMoASetup(
-                f"draft trees ({TREE_FIELD}) are verified with the {', '.join(tree.TREE_BACKENDS)} attention "
-                f"backend so far; this target runs on {backend} (drop {TREE_FIELD} to draft chains)")
+        if self.tree_spec is not None:
+            if backend not in tree.TREE_BACKENDS:
+                raise UnsupportedMoASetup(
+                    f"draft trees ({TREE_FIELD}) are verified with the {', '.join(tree.TREE_BACKENDS)} attention "
+                    f"backend so far; this target runs on {backend} (drop {TREE_FIELD} to draft chains)")
+            for layer in self._target_layers:
+                for feature in ("logits_soft_cap", "sinks", "alibi_slopes"):
+                    if getattr(layer.impl, feature, None):
+                        raise UnsupportedMoASetup(
+                            f"draft trees ({TREE_FIELD}): the tree mask does not apply the target's {feature} "
+                            f"(layer {layer.layer_name}); drop {TREE_FIELD} to draft chains")
         isas = {getattr(layer, "isa", None) for layer in self._target_layers}  # CPU_ATTN's kernel choice
         self._kv_layout = compat.kv_layout_for_backend(backend, isas.pop() if len(isas) == 1 else None)
         logger.info("MoA drafter: tapping %d target layers (%s KV cache, block size %d, KV-cache group %d)",
@@ -176,6 +190,9 @@ class MoAProposer(DraftModelProposer):
             )  # [B, K] (a chain), or [B, 1] after the first pass that a tree grows from
             if self.tree_spec is None:
                 return first_pass
+            # tree nodes are deterministic top-k children (point masses): no draft distribution
+            # for vLLM's rejection sampler, which verifies the steps that fall back to chains
+            self._last_draft_probs = None
             return self.propose_trees(next_token_ids, num_speculative_tokens)
         finally:
             self._num_rejected = None
@@ -187,10 +204,11 @@ class MoAProposer(DraftModelProposer):
             self._root_hidden = hidden_states
         return super()._sample_draft_tokens(hidden_states, sampling_metadata)
 
-    def propose_trees(self, next_token_ids: torch.Tensor, budget: int) -> torch.Tensor:
+    def propose_trees(self, next_token_ids: torch.Tensor, count: int) -> torch.Tensor:
         """Grow an EAGLE-2 tree per request from the first pass (decoding/tree.py's TreeGrowth,
-        all requests' levels in one drafter forward); returns the nodes' tokens parents-first
-        [B, budget] for the scheduler and keeps the parent arrays for verification."""
+        all requests' levels in one drafter forward); returns the first `count` (vLLM's tokens to
+        schedule: the budget) of each tree's nodes in preorder, [B, count], for the scheduler and
+        keeps the trees for verification."""
         model = self.moa_model()
         spec = self.tree_spec
         roots = next_token_ids.tolist()  # [B]
@@ -217,11 +235,11 @@ class MoAProposer(DraftModelProposer):
             logits = model.tree_level(context, torch.cat(ids), torch.tensor(positions, device=device), levels)
             for b, rows, _ in levels:
                 growths[b].advance(logits[rows])
-        drafts = torch.empty(batch, budget, dtype=torch.long)
+        drafts = torch.empty(batch, count, dtype=torch.long)
         req_ids = self._runner.input_batch.req_ids
         for b, growth in enumerate(growths):
-            drafted = tree.pad_tree(growth.result(), budget)
-            drafts[b] = drafted.tokens[1:]
+            drafted = tree.preorder(tree.pad_tree(growth.result(), spec.budget))
+            drafts[b] = drafted.tokens[1: count + 1]
             if b < len(req_ids) and req_ids[b] is not None:
                 self.drafted_trees.by_request[req_ids[b]] = drafted
         self.drafted_trees.forget_all_but(set(req_ids))

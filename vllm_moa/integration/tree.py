@@ -72,6 +72,22 @@ class DraftedTrees:
             del self.by_request[req_id]
 
 
+def preorder(tree: DraftTree) -> DraftTree:
+    """The same tree, nodes in depth-first order with each node's children best first (growth
+    order: decoding/tree.py gives siblings in score order). Parents still come first, and the
+    first nodes are the drafter's best path: where the scheduler cuts the drafts short, or a step
+    verifies them as a chain (chain_only_reason), that path is what remains."""
+    children = tree.children()
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    index = {old: new for new, old in enumerate(order)}
+    return DraftTree(tree.tokens[torch.tensor(order)], [index[tree.parents[i]] if i else -1 for i in order],
+                     [tree.depths[i] for i in order], [tree.feed_slots[i] for i in order])
+
+
 def pad_tree(tree: DraftTree, budget: int) -> DraftTree:
     """A tree of exactly `budget` nodes: the scheduler takes a fixed count per request. A growth
     that found fewer candidates (a warped distribution with less support) gets copies of the
@@ -191,6 +207,9 @@ def chain_only_reason(sampling: Any, structured_output: bool) -> str | None:
         return "penalties"
     if sampling.allowed_token_ids_mask is not None or sampling.bad_words_token_ids:
         return "allowed or bad token ids"
+    thinking = getattr(sampling, "thinking_budget_state_holder", None)
+    if thinking is not None and thinking.has_tracked_requests():
+        return "a thinking-token budget"
     for processor in sampling.logitsprocs.all:
         state = _PROCESSOR_STATE.get(type(processor).__name__)
         if state is None or getattr(processor, state):
