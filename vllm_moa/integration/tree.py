@@ -54,17 +54,17 @@ class DraftedTrees:
 
     by_request: dict[str, DraftTree] = field(default_factory=dict)
 
-    def parents_for(self, req_id: str, scheduled: list[int]) -> list[int] | None:
-        """The parent array (root first, len m + 1) of the m draft tokens the scheduler gave this
-        request, or None when they are not a drafted tree's first m nodes (then they are verified
-        as a chain, which is always correct)."""
+    def tree_for(self, req_id: str, scheduled: list[int]) -> DraftTree | None:
+        """The drafted tree cut to the m draft tokens the scheduler gave this request (its first
+        m nodes, closed under parents), or None when they are not a drafted tree's first m nodes
+        or form a chain (then vLLM verifies them as a chain, which is always correct)."""
         tree = self.by_request.get(req_id)
         m = len(scheduled)
         if tree is None or m == 0 or tree.size < m + 1 or tree.tokens[1:m + 1].tolist() != list(scheduled):
             return None
-        parents = tree.parents[: m + 1]
-        return None if parents == list(range(-1, m)) else parents
-
+        if tree.parents[: m + 1] == list(range(-1, m)):
+            return None
+        return DraftTree(tree.tokens[: m + 1], tree.parents[: m + 1], tree.depths[: m + 1], tree.feed_slots[: m + 1])
 
     def forget_all_but(self, req_ids: set[str]) -> None:
         """Drop the trees of requests no longer in the batch."""
@@ -225,17 +225,13 @@ def plan_step(drafted: DraftedTrees, spec_tokens: dict[str, list[int]], req_id_t
     query_start_loc [num_reqs + 1] and num_computed [num_reqs]: the step's layout on the host."""
     requests: list[TreeRequest] = []
     for req_id, scheduled in spec_tokens.items():
-        parents = drafted.parents_for(req_id, scheduled)
+        tree = drafted.tree_for(req_id, scheduled)
         index = req_id_to_index.get(req_id)
-        if parents is None or index is None:
+        if tree is None or index is None:
             continue
         first, last = int(query_start_loc[index]), int(query_start_loc[index + 1])
         if last - first != len(scheduled) + 1:  # not a decode step of root + drafts
             continue
-        depths = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depths[i] = depths[parents[i]] + 1
-        tree = DraftTree(torch.tensor([0, *scheduled]), parents, depths, [-1] * len(parents))
         requests.append(TreeRequest(index, first, int(num_computed[index]), tree))
     if not requests:
         return None
