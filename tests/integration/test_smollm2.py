@@ -145,3 +145,28 @@ def test_readme_main_job_runs_on_smollm2(folder):
     result = json.loads(run.stdout)
     assert result["target"] == "smollm2" and result["new_tokens"] == 32
     assert result["acceptance_length"] > 1.1 and result["speedup"] > 0
+
+
+@pytest.mark.parametrize("spec", [DraftSpec.chain(3), DraftSpec.tree(depth=5, top_k=4, budget=16)],
+                         ids=["chain3", "tree"])
+def test_runtime_sampling_matches_the_target_on_its_real_vocabulary(target, spec):
+    """Lossless sampling through the runtime on SmolLM2's 49,152-token vocabulary with the shipped
+    MoA drafter: the joint distribution of the first two tokens (the second comes out of
+    verification) matches the target's exact one (chi-square over the likely pairs + "other");
+    the same counts against 1.3x the temperature are rejected (the test has power)."""
+    import sampling_stats
+
+    from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
+
+    prompt = sampling_stats.chat_prompt("Give me a random word.")
+    drafter = load_drafter(SHIPPED_SMOLLM2 / "moa-tli0", target).eval()
+    engine = SpeculativeEngine(target, drafter, spec)
+    outputs = []
+    for seed in range(6):
+        outputs += [r.token_ids for r in engine.generate([prompt] * 100, max_tokens=2, seed=seed,
+                                                         sampling=SamplingParams(temperature=0.7))]
+    probs = sampling_stats.pair_distribution(prompt, 0.7)
+    assert sampling_stats.pair_p(outputs, probs) > 1e-3
+    assert sampling_stats.pair_p(outputs, sampling_stats.pair_distribution(prompt, 0.91), buckets_of=probs) < 1e-3

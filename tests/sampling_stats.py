@@ -1,0 +1,143 @@
+"""Statistics shared by the sampling tests on SmolLM2's real vocabulary (a plain module, like
+vllm_env.py): chi-square p-values, top-token buckets with an "other" bucket, SmolLM2's own
+next-token logits and the mean negative log-likelihood of generated tokens under the target."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+
+def chi_square_p(observed: Sequence[float], expected: Sequence[float]) -> float:
+    """Pearson's goodness-of-fit test of counts against expected counts (same total); the p-value."""
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    if any(o > 0 and e == 0 for o, e in zip(observed, expected)):
+        return 0.0  # an impossible outcome was observed
+    return _gamma_q(len(observed) - 1, statistic)
+
+
+def two_sample_p(a: Counter, b: Counter, min_count: int = 10) -> float:
+    """Chi-square test of homogeneity of two samples of outcomes (outcomes seen fewer than
+    `min_count` times in both together are pooled into one bucket); the p-value."""
+    total = a + b
+    kept = [k for k, n in total.most_common() if n >= min_count]
+    rows = [[a[k] for k in kept], [b[k] for k in kept]]
+    rows[0].append(sum(a.values()) - sum(rows[0]))
+    rows[1].append(sum(b.values()) - sum(rows[1]))
+    columns = [c for c in range(len(rows[0])) if rows[0][c] + rows[1][c] > 0]
+    n_a, n_b = sum(rows[0]), sum(rows[1])
+    statistic = 0.0
+    for c in columns:
+        col = rows[0][c] + rows[1][c]
+        for row, n in ((rows[0], n_a), (rows[1], n_b)):
+            e = col * n / (n_a + n_b)
+            statistic += (row[c] - e) ** 2 / e
+    return _gamma_q(len(columns) - 1, statistic)
+
+
+def _gamma_q(dof: int, statistic: float) -> float:
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def top_buckets(tokens: Sequence[int], probs: torch.Tensor, buckets_of: torch.Tensor | None = None,
+                min_expected: float = 10.0, max_buckets: int = 40) -> tuple[list[int], list[float]]:
+    """(observed, expected) counts over the most likely tokens of `buckets_of` (default `probs`)
+    whose expected count under `probs` is at least `min_expected`, plus one bucket for every other
+    token."""
+    n = len(tokens)
+    ranking = torch.argsort(buckets_of if buckets_of is not None else probs, descending=True)[:max_buckets].tolist()
+    kept = [t for t in ranking if float(probs[t]) * n >= min_expected]
+    counts = Counter(tokens)
+    observed = [counts[t] for t in kept]
+    expected = [float(probs[t]) * n for t in kept]
+    observed.append(n - sum(observed))
+    expected.append(max(0.0, n - sum(expected)))
+    return observed, expected
+
+
+@cache
+def smollm2():
+    """(folder, transformers model, tokenizer) of SmolLM2-135M-Instruct (vllm-moa fetch smollm2)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_moa.targets import fetch_smollm2
+
+    folder = fetch_smollm2()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return str(folder), model, AutoTokenizer.from_pretrained(str(folder))
+
+
+def chat_prompt(text: str) -> list[int]:
+    _, _, tokenizer = smollm2()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@torch.no_grad()
+def smollm2_next_token_logits(text: str) -> torch.Tensor:
+    _, model, _ = smollm2()
+    return model(torch.tensor([chat_prompt(text)])).logits[0, -1].float()
+
+
+@torch.no_grad()
+def mean_nll(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], temperature: float,
+             batch: int = 64) -> float:
+    """Mean negative log-likelihood per generated token under the target's own tempered
+    distribution (sampling from the target keeps it near its entropy). Sequences of one length
+    are scored together."""
+    _, model, _ = smollm2()
+    groups: dict[tuple[int, int], list[tuple[Sequence[int], Sequence[int]]]] = {}
+    for prompt, output in zip(prompts, outputs):
+        if output:
+            groups.setdefault((len(prompt), len(output)), []).append((prompt, output))
+    total, count = 0.0, 0
+    for (p_len, o_len), pairs in groups.items():
+        for start in range(0, len(pairs), batch):
+            chunk = pairs[start:start + batch]
+            ids = torch.tensor([list(p) + list(o) for p, o in chunk])
+            logp = torch.log_softmax(model(ids).logits[:, p_len - 1: -1].float() / temperature, dim=-1)
+            total -= float(logp.gather(-1, ids[:, p_len:, None]).sum())
+            count += len(chunk) * o_len
+    return total / max(1, count)
+
+
+@torch.no_grad()
+def pair_distribution(prompt: Sequence[int], temperature: float, warp=None,
+                      first_tokens: int = 48) -> dict[tuple[int, int], float]:
+    """P(first two generated tokens) under SmolLM2's own sampling at `temperature` (`warp`: a
+    function of tempered logits [N, V] applying top-k / top-p, or None), for the `first_tokens`
+    likeliest first tokens."""
+    _, model, _ = smollm2()
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        scaled = logits.float() / temperature
+        return torch.softmax(warp(scaled) if warp is not None else scaled, dim=-1)
+
+    first = probs(model(torch.tensor([list(prompt)])).logits[:, -1])[0]
+    heads = torch.argsort(first, descending=True)[:first_tokens]
+    second = probs(model(torch.tensor([list(prompt) + [int(t)] for t in heads])).logits[:, -1])
+    return {(int(t), int(s)): float(first[t] * second[row, s])
+            for row, t in enumerate(heads) for s in torch.nonzero(second[row] > 1e-6).flatten().tolist()}
+
+
+def pair_p(outputs: Sequence[Sequence[int]], probs: dict[tuple[int, int], float], buckets_of=None,
+           min_expected: float = 10.0) -> float:
+    """Chi-square p-value of the first-two-token pairs of `outputs` against `probs`: the pairs with
+    an expected count of at least `min_expected` (in the order of `buckets_of`, default `probs`),
+    plus one "other" bucket."""
+    n = len(outputs)
+    counts = Counter(tuple(o[:2]) for o in outputs)
+    ranking = buckets_of or probs
+    kept = [pair for pair in sorted(ranking, key=ranking.get, reverse=True) if probs.get(pair, 0.0) * n >= min_expected]
+    assert len(kept) >= 6, f"too few likely pairs ({len(kept)}) for a test with power"
+    observed = [counts[pair] for pair in kept] + [n - sum(counts[pair] for pair in kept)]
+    expected = [probs[pair] * n for pair in kept]
+    expected.append(max(0.0, n - sum(expected)))
+    return chi_square_p(observed, expected)
