@@ -55,7 +55,8 @@ setup(
     # the demo target + drafters (fp16, < 20 MB), built by vllm_moa/recipes/stdlib_demo.py, and the
     # SmolLM2 drafters (fp16), built by vllm_moa/recipes/smollm2.py (the target itself is fetched)
     package_data={"vllm_moa": ["assets/demo/*.json", "assets/demo/*.md", "assets/demo/*/*",
-                               "assets/smollm2/*.json", "assets/smollm2/*.md", "assets/smollm2/*/*"]},
+                               "assets/smollm2/*.json", "assets/smollm2/*.md", "assets/smollm2/*/*",
+                               "recipes/data/*.json.gz"]},
     install_requires=CORE_REQUIRES,
     extras_require=EXTRAS,
     entry_points={

@@ -70,3 +70,27 @@ def test_ngram_proposes_what_followed_the_last_match():
     assert tree.tokens.tolist() == [2, 5, 1, 4, 1, 3] and tree.parents == [-1, 0, 1, 0, 3, 0]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramSession(max_ngram=1, min_ngram=2)
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_moa_training_forward_skips_padding_in_lsa_without_changing_real_positions(tli):
+    """LSA runs on real tokens only when the batch says how long its rows are: the logits of every
+    real position are those of the full (padded) computation."""
+    from vllm_moa.models import TrainingBatchView
+    from vllm_moa.training.masks import anchor_flags, last_anchor
+
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli)).eval()
+    ids = torch.randint(1, 97, (3, 18), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([18, 11, 6])
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, n:] = 0
+    s = last_anchor(torch.stack([anchor_flags(18, 4, 5) for _ in range(3)]))
+    with torch.no_grad():
+        out = target(ids)
+        full = drafter.training_forward(TrainingBatchView(ids, s, torch.zeros(3, dtype=torch.bool)), target, out).logits
+        real = drafter.training_forward(TrainingBatchView(ids, s, torch.zeros(3, dtype=torch.bool), lengths), target,
+                                        out).logits
+    for row, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(real[row, :n], full[row, :n], rtol=1e-5, atol=1e-5)

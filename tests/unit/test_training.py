@@ -3,6 +3,7 @@
 import hashlib
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -17,27 +18,29 @@ from vllm_moa.training.masks import (
     self_attention_mask,
     target_layers_mask,
 )
-from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer
+from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer, build_drafter
 
 SMALL = dict(lsa_intermediate_size=64, sa_intermediate_size=64, ca_intermediate_size=64)
 
 
 def test_anchors_and_masks_on_a_small_example():
     flags = anchor_flags(10, prompt_length=3, every=4)
-    assert flags.tolist() == [True, True, True, True, False, False, False, True, False, False]
+    # the prompt, then every 4th position counted from the last prompt token (position 2): the
+    # first response token (3) is drafted one step past the prompt, as after a prefill
+    assert flags.tolist() == [True, True, True, False, False, False, True, False, False, False]
     s = last_anchor(flags[None])
-    assert s.tolist() == [[0, 1, 2, 3, 3, 3, 3, 7, 7, 7]]
-    assert draft_depth(s).tolist() == [[0, 0, 0, 0, 1, 2, 3, 0, 1, 2]]
+    assert s.tolist() == [[0, 1, 2, 2, 2, 2, 6, 6, 6, 6]]
+    assert draft_depth(s).tolist() == [[0, 0, 0, 1, 2, 3, 0, 1, 2, 3]]
     ca = cross_attention_mask(s)[0, 0]
-    assert ca[5].tolist() == [True] * 4 + [False] * 6  # depth 2 reads target rows 0..3 only
+    assert ca[5].tolist() == [True] * 3 + [False] * 7  # depth 3 reads target rows 0..2 only
     stair = self_attention_mask(s, torch.tensor([True]))[0, 0]
-    assert stair[6].tolist() == [False] * 4 + [True] * 3 + [False] * 3  # tokens s+1..i
-    assert stair[3].tolist() == [False] * 3 + [True] + [False] * 6  # an anchor sees itself
+    assert stair[5].tolist() == [False] * 3 + [True] * 3 + [False] * 4  # tokens s+1..i
+    assert stair[6].tolist() == [False] * 6 + [True] + [False] * 3  # an anchor sees itself
     causal = self_attention_mask(s, torch.tensor([False]))[0, 0]
     assert causal[6].tolist() == [True] * 7 + [False] * 3
     tli = target_layers_mask(s)[0, 0]
-    assert tli[5, :10].tolist() == [True] * 4 + [False] * 6  # true rows <= s
-    assert tli[5, 10:].tolist() == [False] * 4 + [True] * 2 + [False] * 4  # predicted s < j <= i
+    assert tli[5, :10].tolist() == [True] * 3 + [False] * 7  # true rows <= s
+    assert tli[5, 10:].tolist() == [False] * 3 + [True] * 3 + [False] * 4  # predicted s < j <= i
 
 
 def test_collate_trains_response_positions_only():
@@ -115,6 +118,19 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_time_based_checkpoints_and_a_past_deadline(tmp_path):
+    """checkpoint_minutes checkpoints by wall time (here: after every step, though checkpoint_every
+    is 100); a deadline already past runs and writes nothing."""
+    target, data = make_target("llama"), _examples()
+    config = _config(tmp_path, checkpoint_every=100, checkpoint_minutes=1e-9, keep_checkpoints=6)
+    assert Trainer(config, target, data).train(deadline=0.0).steps == 0
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    result = Trainer(config, target, data).train(deadline=time.time() + 3600)
+    assert result.steps == 6
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == \
+        [f"step-{i:06d}" for i in range(1, 7)]
+
+
 def _digest(path):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
 
@@ -163,3 +179,14 @@ def test_prompts_longer_than_max_length_are_refused(tmp_path):
 def test_drafter_option_types_are_checked(tmp_path):
     with pytest.raises(ValueError, match="'sa_num_heads'"):
         Trainer(_config(tmp_path, drafter_options={"sa_num_heads": 4.0}), make_target("llama"), _examples())
+
+
+def test_a_fresh_moa_drafter_starts_its_output_norm_at_the_targets_final_norm(tmp_path):
+    """TLI = 0 predicts the target's post-norm hidden state: its output norm starts at the target's
+    final norm weights (not at 1.0, a scale a short run cannot reach); TLI = 1 has none."""
+    target = make_target("llama")
+    with torch.no_grad():
+        target.decoder.norm.weight.uniform_(1.5, 2.5)
+    drafter = build_drafter(_config(tmp_path), target)
+    torch.testing.assert_close(drafter.out_norm.weight, target.decoder.norm.weight)
+    assert build_drafter(_config(tmp_path, tli=1), target).out_norm is None

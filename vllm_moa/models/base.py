@@ -28,11 +28,21 @@ class TrainingBatchView:
     input_ids:   [B, T]
     last_anchor: [B, T] s(i)
     staircase:   [B] bool, use the staircase SA mask for this sample
+    lengths:     [B] real tokens per row (the rest is padding no real position reads), or None
     """
 
     input_ids: Tensor
     last_anchor: Tensor
     staircase: Tensor
+    lengths: Tensor | None = None
+
+    def real_tokens(self) -> Tensor | None:
+        """[B * T] flat indices of the real (unpadded) tokens, or None when every token is real."""
+        if self.lengths is None:
+            return None
+        b, t = self.input_ids.shape
+        real = torch.arange(t, device=self.input_ids.device)[None, :] < self.lengths.to(self.input_ids.device)[:, None]
+        return None if bool(real.all()) else real.flatten().nonzero().squeeze(1)
 
 
 @dataclass
@@ -69,6 +79,9 @@ class Drafter(nn.Module):
         else:
             self.draft_vocab = None
         self._head_rows: tuple[tuple, nn.Linear] | None = None  # cache of the target LM head's vocab rows
+
+    def init_from_target(self, target: TargetModel) -> None:
+        """Initialise what a fresh drafter takes from its target before training (default: nothing)."""
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """Fix the reduced draft vocabulary: [N] distinct target token ids."""

@@ -141,6 +141,15 @@ class MoADrafter(Drafter):
         # RMSNorm (our addition to the reference) puts it on that scale before the LM head.
         self.out_norm = RMSNorm(config.target_signature.hidden_size, config.rms_norm_eps) if self.tli == 0 else None
 
+    @torch.no_grad()
+    def init_from_target(self, target: TargetModel) -> None:
+        """TLI = 0: the output norm starts as the target's final norm (its weights, not ones): the
+        CA output is trained to equal the target's post-norm hidden state, whose per-channel scale
+        is that norm's (SmolLM2: mean 1.8), which a norm started at 1.0 does not reach in a short
+        run at a decaying learning rate."""
+        if self.out_norm is not None:
+            self.out_norm.weight.copy_(target.decoder.norm.weight.to(self.out_norm.weight))
+
     # -- shared pieces ------------------------------------------------------------------------
     def rows_from_kv(self, keys: list[Tensor], values: list[Tensor]) -> Tensor:
         """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens -> Ekv2E rows [B, T, E]."""
@@ -158,7 +167,13 @@ class MoADrafter(Drafter):
         b, t = ids.shape
         positions = torch.arange(t, device=ids.device).expand(b, t)
         layer_rows = target_out.lsa_rows()  # [B, T, L, 2*Ekv]
-        rows = self.lsa(layer_rows.reshape(b * t, *layer_rows.shape[2:])).view(b, t, -1)  # [B, T, E]
+        layer_rows = layer_rows.reshape(b * t, *layer_rows.shape[2:])
+        real = batch.real_tokens()  # LSA is per token: padding (never read by a real position) is skipped
+        if real is None:
+            rows = self.lsa(layer_rows).view(b, t, -1)  # [B, T, E]
+        else:
+            flat = self.lsa(layer_rows.index_select(0, real))  # [R, E]
+            rows = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, real, flat).view(b, t, -1)
         hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
         row_k, row_v = self.ca.row_keys_values(rows, positions)
         feature = self._head(self.ca(hidden, positions, row_k, row_v, cross_attention_mask(s)))

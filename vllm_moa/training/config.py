@@ -43,11 +43,17 @@ class TrainConfig(BaseModel):
     eval_depth: int = Field(6, ge=1, description="Report agreement with the target at draft depths 0..this (0 = the "
                                                  "anchor itself).")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto (bf16 autocast on CUDA when "
-                                                                           "supported) | fp32 | bf16.")
+                                                                           "supported, and on CPUs that compute "
+                                                                           "bf16 natively: avx512_bf16 / AMX) | "
+                                                                           "fp32 | bf16.")
+    compile: bool = Field(False, description="torch.compile the drafter's blocks (dynamic shapes; a warm-up of "
+                                            "about a minute, then faster steps: fused norms, RoPE and SwiGLU).")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
     seed: int = Field(0, description="Seed of initialisation, data order, anchors and staircase.")
     log_every: int = Field(10, gt=0, description="Write a metrics.jsonl line every N steps.")
     checkpoint_every: int = Field(100, gt=0, description="Checkpoint every N steps (and at the end).")
+    checkpoint_minutes: float | None = Field(None, gt=0, description="Also checkpoint when this many minutes "
+                                             "passed since the last checkpoint (single-process runs).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     output_dir: str = Field("runs/drafter", description="Run directory: checkpoints/, metrics.jsonl, drafter/.")
     progress: bool = Field(True, description="Show progress bars.")

@@ -15,13 +15,15 @@ from torch import Tensor
 
 
 def anchor_flags(length: int, prompt_length: int, every: int, device: torch.device | str = "cpu") -> Tensor:
-    """Anchors of one sequence: all prompt positions, and response positions whose index counted
-    from the response start is a multiple of `every` (so the first response token is one, and
-    spacing restarts at the response). Position 0 is always an anchor. -> [T] bool"""
+    """Anchors of one sequence: all prompt positions, and response positions whose distance from
+    the last prompt token is a multiple of `every`. So the first response token is drafted one
+    step past the prompt, from target rows that end at the prompt, as it is after a prefill (with
+    the first response token as an anchor too, that case would never be trained). Position 0 is
+    always an anchor. -> [T] bool"""
     if every < 1:
         raise ValueError(f"anchor spacing 'every' must be >= 1, got {every}")
     positions = torch.arange(length, device=device)
-    flags = (positions < prompt_length) | ((positions - prompt_length) % every == 0)
+    flags = (positions < prompt_length) | ((positions - (prompt_length - 1)) % every == 0)
     flags[0] = True
     return flags
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from vllm_moa import kinds
 from vllm_moa.config import DrafterTargetMismatch
+from vllm_moa.cpu_flags import native_bf16
 from vllm_moa.models import Drafter, TrainingBatchView
 from vllm_moa.models.base import DraftOutput, replace_directory
 from vllm_moa.target import TargetModel, TargetOutput
@@ -79,6 +80,7 @@ def build_drafter(config: TrainConfig, target: TargetModel) -> Drafter:
         raise ValueError(f"drafter_options: {err}") from None
     torch.manual_seed(config.seed)
     drafter = kind.drafter_class(drafter_config)
+    drafter.init_from_target(target)
     kind.prepare_training(drafter, config)
     return drafter
 
@@ -124,10 +126,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether training autocasts to bf16: asked for, or "auto" where the hardware computes bf16
+    (CUDA that supports it; CPUs with avx512_bf16 / AMX: elsewhere bf16 is emulated and slower)."""
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and native_bf16()
+
+
 def autocast_context(precision: str, device: torch.device):
-    use_bf16 = precision == "bf16" or (
-        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
+    use_bf16 = uses_bf16(precision, device)
     if not use_bf16:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -167,6 +177,9 @@ class Trainer:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.features = features
         self.drafter = build_drafter(config, target).to(self.device)
+        if config.compile:  # in place: parameter names (checkpoints) stay those of the eager modules
+            for block in self.drafter.children():
+                block.compile(dynamic=True)
         if draft_vocab is not None:
             self.drafter.set_draft_vocab(torch.as_tensor(draft_vocab))
         elif self.drafter.draft_vocab is not None:
@@ -216,7 +229,7 @@ class Trainer:
         batch = collate(examples, max_length=self.config.max_length).to(self.device)
         s, staircase = anchors_for(batch, indices, self.config, step, p_staircase)
         s, staircase = s.to(self.device), staircase.to(self.device)
-        view = TrainingBatchView(batch.input_ids, s, staircase)
+        view = TrainingBatchView(batch.input_ids, s, staircase, batch.lengths)
         with autocast_context(self.config.precision, self.device):
             if cached:
                 target_out = self.features.target_output(indices, batch.input_ids.shape[1], self.device,
@@ -348,9 +361,13 @@ class Trainer:
             _write_atomic(self.metrics_path, "".join(line + "\n" for line in kept))
 
     # -- the loop -----------------------------------------------------------------------------
-    def train(self, resume: bool | str | Path = False) -> TrainResult:
+    def train(self, resume: bool | str | Path = False, deadline: float | None = None) -> TrainResult:
+        """Train to config.steps, or until time.time() passes `deadline` (then with a checkpoint:
+        the run resumes from there)."""
         from tqdm.auto import tqdm
 
+        if deadline is not None and self.distributed:
+            raise ValueError("a deadline applies to single-process training (workers would stop at different steps)")
         if resume:
             self.load_checkpoint(None if resume is True else resume)
         config = self.config
@@ -358,12 +375,13 @@ class Trainer:
         if is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "train_config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-        started = time.time()
+        started = last_checkpoint = time.time()
+        timed = config.checkpoint_minutes is not None and not self.distributed  # ranks would disagree on time
         last: dict[str, Any] = {}
         bar = tqdm(total=config.steps, initial=self.step, desc=f"train {config.drafter}",
                    disable=not (config.progress and is_main))
         with bar:
-            while self.step < config.steps:
+            while self.step < config.steps and (deadline is None or time.time() < deadline):
                 last = self.train_step()
                 if not math.isfinite(last["loss"]):
                     raise FloatingPointError(f"loss became {last['loss']} at step {self.step}; lower the lr")
@@ -372,7 +390,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{last['loss']:.3f}", acc1=last["agreement"][1])
                     with self.metrics_path.open("a") as f:
                         f.write(json.dumps(last) + "\n")
-                if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                overdue = timed and time.time() - last_checkpoint >= 60 * config.checkpoint_minutes
+                overdue = overdue or (deadline is not None and time.time() >= deadline)
+                if self.step % config.checkpoint_every == 0 or self.step == config.steps or overdue:
+                    last_checkpoint = time.time()
                     if is_main:
                         self.save_checkpoint()
                     if self.distributed:

@@ -1,0 +1,33 @@
+"""What this CPU can do natively, read from its flags (Linux /proc/cpuinfo): our machines differ
+(some AVX2 only, some AVX-512 with bf16 dot products, some AMX), and bf16 pays only where the
+hardware computes it (elsewhere it is emulated and slower than fp32)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # native bf16 matrix arithmetic
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags of the first CPU ("avx2", "avx512f", "avx512_bf16", "amx_bf16", ...); empty
+    where /proc/cpuinfo is unavailable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX-512 BF16 or AMX)."""
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def isa_summary() -> dict[str, bool]:
+    """The flags that choose code paths here, for results files' provenance."""
+    return {flag: flag in cpu_flags() for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}

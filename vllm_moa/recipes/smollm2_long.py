@@ -1,0 +1,124 @@
+"""A long, resumable training run of a SmolLM2 drafter, meant to run in the background across
+sessions and machines:
+
+    nice -n 19 python -m vllm_moa.recipes.smollm2_long --drafter moa-tli0 [--hours 2] \\
+        [--work ~/.cache/vllm-moa/runs/smollm2-long] [--sequences 0] [--steps 20000]
+
+* data: the recipe's regenerated token ids, committed in this package (DATASET: the target's own
+  answers to 2,969 training prompts + 96 held-out ones), so a fresh machine needs no regeneration;
+* features: the offline feature cache is built once per machine in --work (resumable, ~25 KB per
+  token), then every step reads it;
+* state: the newest checkpoint in --work/<drafter>/checkpoints (weights, optimizer, scheduler,
+  step; data order, anchors and staircase are functions of (seed, step)) is resumed; without one
+  the drafter starts from the shipped one (vllm_moa/assets/smollm2) unless --from-scratch;
+* checkpoints every --checkpoint-minutes (default 10) and when --hours run out; progress in
+  metrics.jsonl; held-out agreement by depth at the end in --work/<drafter>/long_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary, provenance
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
+
+DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
+SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
+DEFAULT_WORK = Path(os.environ.get("VLLM_MOA_CACHE", Path.home() / ".cache" / "vllm-moa")) / "runs" / "smollm2-long"
+
+
+def load_dataset(path: Path = DATASET) -> tuple[list[DraftExample], list[DraftExample]]:
+    """(train, held-out) examples of the committed dataset."""
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    return examples_from_json(data["train"]), examples_from_json(data["heldout"])
+
+
+def save_dataset(train: list[DraftExample], held: list[DraftExample], path: Path = DATASET) -> int:
+    """Store a recipe's regenerated examples (token ids only) as the committed dataset; bytes written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = gzip.compress(json.dumps({"train": examples_to_json(train), "heldout": examples_to_json(held)},
+                                    separators=(",", ":")).encode(), mtime=0)
+    path.write_bytes(blob)
+    return len(blob)
+
+
+def warm_start(trainer, name: str) -> bool:
+    """Load the shipped drafter `name` into a fresh trainer's drafter; False when none is shipped."""
+    directory = SHIPPED / name
+    if not (directory / "model.safetensors").is_file():
+        return False
+    loaded = type(trainer.drafter).from_pretrained(directory, trainer.target)
+    trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", choices=sorted(DRAFTERS), default="moa-tli0")
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK)
+    parser.add_argument("--hours", type=float, default=None, help="stop (with a checkpoint) after this long")
+    parser.add_argument("--steps", type=int, default=20_000, help="length of the LR schedule")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.05)
+    parser.add_argument("--sequences", type=int, default=0, help="train on the first N sequences (0: all)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from vllm_moa.target import TargetModel
+    from vllm_moa.targets import fetch_smollm2
+    from vllm_moa.training.features import build_feature_cache
+    from vllm_moa.training.trainer import TrainConfig, Trainer
+
+    recipe = SmolRecipe()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    code_state = provenance()
+    target_dir = fetch_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    target = TargetModel.from_pretrained(target_dir)
+    train, held = load_dataset()
+    if args.sequences:
+        train = train[: args.sequences]
+    args.work.mkdir(parents=True, exist_ok=True)
+    features = build_feature_cache(target, train, args.work / f"features-{len(train)}", recipe.max_length,
+                                   tli_depths=(1,), progress=not args.no_progress)
+    vocab = draft_vocabulary(train, recipe.draft_vocab_size, target.vocab_size, [tokenizer.eos_token_id])
+    kind, tli, options = DRAFTERS[args.drafter]
+    if kind != "independent":
+        options = {**options, "draft_vocab_size": len(vocab)}
+    out = args.work / args.drafter
+    config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
+                         lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=30, max_length=recipe.max_length,
+                         eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
+                         checkpoint_minutes=args.checkpoint_minutes, precision=args.precision, seed=recipe.seed,
+                         staircase_until=0.05, compile=True,  # the curriculum: 5% of a long schedule
+                         progress=not args.no_progress, log_every=10)
+    trainer = Trainer(config, target, features.examples(), held, features=features,
+                      draft_vocab=vocab if kind != "independent" else None)
+    resume = (out / "checkpoints" / "latest").is_file()
+    started_from = "checkpoint" if resume else ("scratch" if args.from_scratch or not warm_start(trainer, args.drafter)
+                                                else "shipped drafter")
+    deadline = None if args.hours is None else time.time() + 3600 * args.hours
+    result = trainer.train(resume=resume, deadline=deadline)
+    report = {"drafter": args.drafter, "started_from": started_from, "steps": result.steps,
+              "sequences": len(train), "batch": args.batch, "max_length": recipe.max_length,
+              "heldout_agreement_by_depth": result.eval_agreement, "wall_time_s_this_run": round(result.wall_time_s, 1),
+              "provenance": code_state}
+    (out / "long_report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
