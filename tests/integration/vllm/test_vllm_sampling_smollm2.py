@@ -33,7 +33,7 @@ pytestmark = [
 
 DRAFTER = str(REPO / "vllm_moa" / "assets" / "smollm2" / "moa-tli0")
 TEMPERATURE, NEW_TOKENS = 0.7, 3
-PLAIN, WARPED, MANY, N, SEEDED, GREEDY = 600, 300, 75, 4, 16, 8  # requests per group
+PLAIN, WARPED, MANY, N, SEEDED, GREEDY = 600, 300, 100, 4, 16, 8  # requests per group
 TOP_K, TOP_P = 20, 0.9
 # every prefill fits one step: vLLM 0.32 on CPU kills the engine when a *seeded* request's prefill
 # is chunked (GPUModelRunner._bookkeeping_sync rewinds its generator with set_offset, which CPU
@@ -104,7 +104,7 @@ def test_n_completions_per_request_match_the_target():
     completions = chain_run().passes[0].completions[PLAIN + WARPED:PLAIN + WARPED + MANY]
     assert all(len(c) == N for c in completions)
     flat = [o for c in completions for o in c]
-    assert pair_p(flat, pair_distribution(TEMPERATURE)) > 1e-3
+    assert pair_p(flat, pair_distribution(TEMPERATURE), min_expected=5) > 1e-3
 
 
 def test_greedy_requests_batched_with_sampled_ones_stay_greedy():
