@@ -55,6 +55,18 @@ class PhaseTimer:
         self.seconds[name] += time.perf_counter() - self._start.pop(name)
 
 
+def _timed(phases: dict[str, float], name: str, fn):
+    """fn, adding its wall time to phases[name] at every call."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        phases[name] += time.perf_counter() - start
+        return out
+
+    return wrapper
+
+
 def timed_steps(trainer, steps: int, breakdown: bool) -> tuple[float, dict[str, float]]:
     """Mean seconds per step over `steps` steps (after 2 warm-up steps), and the phase breakdown."""
     for _ in range(2):
@@ -63,34 +75,9 @@ def timed_steps(trainer, steps: int, breakdown: bool) -> tuple[float, dict[str, 
         if breakdown else None
     phases: dict[str, float] = defaultdict(float)
     if breakdown:  # time the trainer's pieces by wrapping them for this run
-        features, drafter, optimizer = trainer.features, trainer.drafter, trainer.optimizer
-        read = features.target_output
-
-        def timed_read(*args, **kwargs):
-            start = time.perf_counter()
-            out = read(*args, **kwargs)
-            phases["feature read"] += time.perf_counter() - start
-            return out
-
-        features.target_output = timed_read
-        step_fn = optimizer.step
-
-        def timed_step(*args, **kwargs):
-            start = time.perf_counter()
-            out = step_fn(*args, **kwargs)
-            phases["optimizer"] += time.perf_counter() - start
-            return out
-
-        optimizer.step = timed_step
-        forward = drafter.training_forward
-
-        def timed_forward(*args, **kwargs):
-            start = time.perf_counter()
-            out = forward(*args, **kwargs)
-            phases["drafter forward"] += time.perf_counter() - start
-            return out
-
-        drafter.training_forward = timed_forward
+        trainer.features.target_output = _timed(phases, "feature read", trainer.features.target_output)
+        trainer.optimizer.step = _timed(phases, "optimizer", trainer.optimizer.step)
+        trainer.drafter.training_forward = _timed(phases, "drafter forward", trainer.drafter.training_forward)
     start = time.perf_counter()
     for _ in range(steps):
         trainer.train_step()
