@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 DRAFTER = ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"
 CHAIN = {"method": "moa", "model": str(DRAFTER), "num_speculative_tokens": 3}
@@ -90,7 +90,14 @@ def main() -> None:
         sampling = [{"logprobs": logprobs}] * len(prompts) if logprobs is not None else None
         run = EngineRun(target=str(target), speculative_config=spec, prompts=prompts, max_tokens=args.max_tokens,
                         temperature=args.temperature, seed=None, ignore_eos=False, sampling=sampling, engine=engine)
-        result = run_engine(run, timeout=1800, env={"VLLM_CPU_KVCACHE_SPACE": "1", **env})
+        try:
+            result = run_engine(run, timeout=1800, env={"VLLM_CPU_KVCACHE_SPACE": "1", **env})
+        except EngineRunFailed as failure:  # the defect can kill the engine: a result, not a crash
+            record["rows"].append({"config": name, "speculative_config": spec, "logprobs": logprobs, "env": env,
+                                   "engine_failed": str(failure).splitlines()[0][:400]})
+            args.out.write_text(json.dumps(record, indent=2))
+            print(json.dumps(record["rows"][-1]))
+            continue
         outputs = result.passes[0].outputs
         per_request = [mean_nll(model, [p], [o], args.temperature) for p, o in zip(prompts, outputs) if o]
         counters = result.spec_decode
@@ -104,11 +111,14 @@ def main() -> None:
         })
         args.out.write_text(json.dumps(record, indent=2))
         print(json.dumps(record["rows"][-1]))
-    names = [r["config"] for r in record["rows"]]
-    values = [r["mean_nll_per_token"] for r in record["rows"]]
+    measured = [r for r in record["rows"] if "engine_failed" not in r]
+    names = [r["config"] if "engine_failed" not in r else r["config"] + " (engine died)" for r in record["rows"]]
+    values = [r.get("mean_nll_per_token", 0.0) for r in record["rows"]]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.barh(names, values, xerr=[2 * r["nll_stderr_over_requests"] for r in record["rows"]],
+    ax.barh(names, values, xerr=[2 * r.get("nll_stderr_over_requests", 0.0) for r in record["rows"]],
             color=["tab:gray" if "before" in n or "as shipped" in n else "tab:blue" for n in names])
+    names = [r["config"] for r in measured]
+    values = [r["mean_nll_per_token"] for r in measured]
     ax.axvline(values[names.index("none")] if "none" in names else 0, color="k", lw=0.8, ls="--")
     ax.invert_yaxis()
     ax.set_xlabel(f"mean NLL per generated token under SmolLM2 (T = {args.temperature}); lower = closer to the target")
