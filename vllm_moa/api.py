@@ -40,7 +40,7 @@ class Speculator:
         """Load a target (default: the shipped demo target) and a drafter checked against it."""
         from transformers import AutoTokenizer
 
-        from vllm_moa.kinds import load
+        from vllm_moa.models import load_named as load
         from vllm_moa.shipped import SHIPPED
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

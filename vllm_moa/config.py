@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 from pydantic import TypeAdapter, ValidationError
 from transformers import PretrainedConfig
 
+from vllm_moa import registry
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -331,11 +333,9 @@ class IndependentDrafterConfig(DrafterConfigBase):
 def read_drafter_config(directory: str | Path) -> DrafterConfigBase:
     """Read and validate any drafter's config.json, dispatching on its `model_type`."""
     path, data = _read_config_json(directory)
-    from vllm_moa.kinds import all_kinds, for_config
-
     model_type = data.get("model_type") if isinstance(data, dict) else None
-    kind = for_config(model_type)
+    kind = registry.for_config(model_type)
     if kind is None:
-        known = sorted(k.config_class.model_type for k in all_kinds() if k.trainable)
+        known = sorted(k.config_class.model_type for k in registry.all_kinds() if k.trainable)
         raise DrafterConfigError(f"{path}: key 'model_type' is {model_type!r}; expected one of {known}")
     return kind.config_class.validated_from_dict(data, source=str(path))

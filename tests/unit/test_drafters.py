@@ -41,7 +41,7 @@ def test_eagle_session_matches_its_training_forward_with_exact_rollout():
     over its own features (the same computation, two code paths)."""
     from vllm_moa.decoding.drafters import EagleSession
     from vllm_moa.models import TrainingBatchView
-    from vllm_moa.training.masks import last_anchor
+    from vllm_moa.models.masks import last_anchor
 
     target = make_target("llama")
     drafter = _drafter("eagle", target)
@@ -77,7 +77,7 @@ def test_moa_training_forward_skips_padding_in_lsa_without_changing_real_positio
     """LSA runs on real tokens only when the batch says how long its rows are: the logits of every
     real position are those of the full (padded) computation."""
     from vllm_moa.models import TrainingBatchView
-    from vllm_moa.training.masks import anchor_flags, last_anchor
+    from vllm_moa.models.masks import anchor_flags, last_anchor
 
     target = make_target("llama")
     torch.manual_seed(0)

@@ -9,11 +9,10 @@ import torch
 from serving_utils import running_server
 from tiny_models import make_target
 
-from vllm_moa import kinds
+from vllm_moa import kinds, registry
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.kinds import registry
 from vllm_moa.serving.client import RemoteDraftingClient
 from vllm_moa.training.data import DraftExample
 from vllm_moa.training.trainer import TrainConfig, Trainer

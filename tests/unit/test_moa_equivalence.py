@@ -7,7 +7,7 @@ from tiny_models import make_target
 
 from vllm_moa.config import MoAConfig
 from vllm_moa.models import MoADrafter, TrainingBatchView
-from vllm_moa.training.masks import anchor_flags, last_anchor
+from vllm_moa.models.masks import anchor_flags, last_anchor
 
 TOL = 1e-4
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from vllm_moa.training.data import DatasetError, DraftExample, collate
-from vllm_moa.training.masks import (
+from vllm_moa.models.masks import (
     anchor_flags,
     cross_attention_mask,
     draft_depth,
@@ -18,6 +17,7 @@ from vllm_moa.training.masks import (
     self_attention_mask,
     target_layers_mask,
 )
+from vllm_moa.training.data import DatasetError, DraftExample, collate
 from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer, build_drafter
 
 SMALL = dict(lsa_intermediate_size=64, sa_intermediate_size=64, ca_intermediate_size=64)

@@ -13,7 +13,7 @@ import torch
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.kinds.registry import DrafterArg
+from vllm_moa.registry import DrafterArg
 from vllm_moa.target import TargetKVCache, TargetModel
 
 

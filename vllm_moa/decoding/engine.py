@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from vllm_moa import registry as kinds
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.drafters import DraftSession
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.kinds import registry as kinds
-from vllm_moa.kinds.registry import DrafterArg
+from vllm_moa.registry import DrafterArg
 from vllm_moa.target import TargetModel, TargetOutput
 
 

@@ -180,6 +180,12 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
         raise UnsupportedMoASetup(f"{TREE_FIELD} {moa_tree} with num_speculative_tokens={budget}: {err}") from None
 
 
+def requested_tree(speculative_config: Any) -> Any:
+    """The DraftSpec of the tree a MoA speculative_config asks for (tree_spec), None for chains."""
+    spec = speculative_config
+    return tree_spec(getattr(spec, TREE_FIELD, None), spec.num_speculative_tokens,
+                     spec.draft_model_config.hf_config.tli, compat.installed_vllm_version())
+
 
 def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
     """vLLM options that act on chain verification and that draft trees do not take (yet)."""

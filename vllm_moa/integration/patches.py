@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from vllm_moa.integration import compat
+
+logger = logging.getLogger(__name__)
 
 REGISTRY_ATTR = "__vllm_moa_patches__"
 
@@ -209,6 +212,7 @@ class DraftModelProposerPatch(VllmPatch):
                 if spec is not None and spec.method == compat.METHOD:
                     from vllm_moa.integration.proposer import MoAProposer
 
+                    prepare_moa_engine(vllm_config)
                     klass = MoAProposer
             return object.__new__(klass)
 
@@ -382,7 +386,7 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     V1RunnerPatch,
     TreeFieldPatch,
 )
-# Applied in the worker, when a MoA drafter drafts trees (MoAProposer.__init__): they touch the
+# Applied in the worker, when a MoA drafter drafts trees (prepare_moa_engine): they touch the
 # model runner and the CPU attention backend, which the front-end process never imports.
 TREE_PATCHES: tuple[type[VllmPatch], ...] = (
     RunnerPrepareInputsPatch,
@@ -401,3 +405,15 @@ def apply_tree_patches() -> None:
     """Apply the draft-tree runner and attention patches (idempotent)."""
     for patch in TREE_PATCHES:
         patch.apply()
+
+
+def prepare_moa_engine(vllm_config: Any) -> None:
+    """The patches a worker applies when it builds a MoA proposer (DraftModelProposerPatch, just
+    before MoAProposer.__init__): the tree patches when speculative_config asks for a tree, and
+    the CPU sampler fix (chains at T > 0 go through vLLM's rejection sampler)."""
+    from vllm_moa.integration.draft_config import requested_tree
+
+    if requested_tree(vllm_config.speculative_config) is not None:
+        apply_tree_patches()
+    if apply_cpu_sampler_fix(moa_engine=True):
+        logger.info("MoA: vLLM's CPU rejection sampler runs with vllm-moa's expand (cpu_sampler.py)")

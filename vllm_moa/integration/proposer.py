@@ -33,13 +33,13 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_moa.decoding.tree import TreeGrowth
-from vllm_moa.integration import compat, patches, tree
+from vllm_moa.integration import compat, tree
 from vllm_moa.integration.draft_config import (
     TREE_FIELD,
     UnsupportedMoASetup,
     check_kv_cache_dtype,
     check_tree_setup,
-    tree_spec,
+    requested_tree,
 )
 from vllm_moa.integration.model import MoADraftModel
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
@@ -63,17 +63,13 @@ class MoAProposer(DraftModelProposer):
         # draft trees (integration/tree.py): the shape asked for in speculative_config.moa_tree
         self._runner = runner
         spec = vllm_config.speculative_config
-        self.tree_spec = tree_spec(getattr(spec, TREE_FIELD, None), spec.num_speculative_tokens,
-                                   spec.draft_model_config.hf_config.tli, compat.installed_vllm_version())
+        self.tree_spec = requested_tree(spec)
         self.drafted_trees = tree.DraftedTrees()
         self._first_pass_metadata: dict[str, object] = {}
         self._root_hidden: torch.Tensor | None = None  # [B, E] tree mode: the first pass's output at the roots
         self._chain_only_reason: str | None = None  # logged when it changes
-        if self.tree_spec is not None:
+        if self.tree_spec is not None:  # the tree patches are applied (patches.prepare_moa_engine)
             check_tree_setup(spec, vllm_config.kv_transfer_config)
-            patches.apply_tree_patches()
-        if patches.apply_cpu_sampler_fix(moa_engine=True):  # chains at T > 0 go through vLLM's rejection sampler
-            logger.info("MoA: vLLM's CPU rejection sampler runs with vllm-moa's expand (cpu_sampler.py)")
 
     def _create_draft_vllm_config(self) -> VllmConfig:
         base = super()._create_draft_vllm_config()

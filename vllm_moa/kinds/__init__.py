@@ -1,9 +1,21 @@
-"""Drafter kinds, one module each, registered once (registry.py; docs/drafter-kinds.md).
+"""Drafter kinds, one module each, the layer that composes models, decoding and serving into a
+kind (docs/drafter-kinds.md). Each module registers its kind with vllm_moa/registry.py, which
+finds them through setup.py's entry point group `vllm_moa.drafter_kinds`; nothing below this
+layer imports it. Importing this package registers every built-in kind and re-exports the
+registry's functions."""
 
-The registry's functions are importable from anywhere in the package; the kind modules, which
-import the sessions and models they declare, are imported on the first lookup."""
-
-from vllm_moa.kinds.registry import (
+# isort: off
+# each module registers its kind; this order is the registry's (what users see listed)
+from vllm_moa.kinds import moa  # noqa: F401
+from vllm_moa.kinds import eagle  # noqa: F401
+from vllm_moa.kinds import independent  # noqa: F401
+from vllm_moa.kinds import ngram  # noqa: F401
+from vllm_moa.kinds import none  # noqa: F401
+# isort: on
+from vllm_moa.kinds.ngram import NgramDrafter
+from vllm_moa.kinds.none import NoDrafter
+from vllm_moa.models import load_named as load
+from vllm_moa.registry import (
     AnyDrafter,
     DrafterArg,
     DrafterKind,
@@ -13,7 +25,6 @@ from vllm_moa.kinds.registry import (
     for_config,
     get,
     kind_of,
-    load,
     names,
     open_runtime_session,
     register,
@@ -36,15 +47,3 @@ __all__ = [
     "open_runtime_session",
     "register",
 ]
-
-
-def __getattr__(name: str):
-    if name == "NgramDrafter":
-        from vllm_moa.kinds.ngram import NgramDrafter
-
-        return NgramDrafter
-    if name == "NoDrafter":
-        from vllm_moa.kinds.none import NoDrafter
-
-        return NoDrafter
-    raise AttributeError(f"module 'vllm_moa.kinds' has no attribute {name!r}")

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from vllm_moa.config import EagleDrafterConfig
 from vllm_moa.decoding.drafters import EagleSession
-from vllm_moa.kinds.registry import DrafterKind, register
 from vllm_moa.models import EagleDrafter
+from vllm_moa.registry import DrafterKind, register
 from vllm_moa.serving.local import LocalEagle
 from vllm_moa.serving.payload import encode
 from vllm_moa.serving.protocol import SyncPayload

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from vllm_moa.config import IndependentDrafterConfig
 from vllm_moa.decoding.drafters import IndependentSession
-from vllm_moa.kinds.registry import DrafterKind, register
 from vllm_moa.models import IndependentDrafter
+from vllm_moa.registry import DrafterKind, register
 from vllm_moa.serving.local import LocalIndependent
 
 INDEPENDENT = register(DrafterKind(

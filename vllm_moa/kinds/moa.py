@@ -8,8 +8,8 @@ from torch import Tensor
 
 from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.drafters import MoASession
-from vllm_moa.kinds.registry import DrafterKind, register
 from vllm_moa.models import MoADrafter
+from vllm_moa.registry import DrafterKind, register
 from vllm_moa.serving.local import LocalMoA
 from vllm_moa.serving.payload import encode
 from vllm_moa.serving.protocol import SyncPayload
@@ -38,5 +38,6 @@ MOA = register(DrafterKind(
     client_session=LocalMoA,
     server_sync=server_sync,
     client_needs_target=True,
+    declares_lsa=True,
     training_options=lambda config: {"tli": config.tli},
 ))

@@ -4,7 +4,7 @@ weights: `NgramDrafter` carries its options only."""
 from __future__ import annotations
 
 from vllm_moa.decoding.drafters import NgramSession
-from vllm_moa.kinds.registry import DrafterKind, ModelFreeDrafter, register
+from vllm_moa.registry import DrafterKind, ModelFreeDrafter, register
 from vllm_moa.serving.local import LocalNgram
 
 

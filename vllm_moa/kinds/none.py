@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vllm_moa.kinds.registry import DrafterKind, ModelFreeDrafter, register
+from vllm_moa.registry import DrafterKind, ModelFreeDrafter, register
 
 
 class NoDrafter(ModelFreeDrafter):

@@ -1,6 +1,6 @@
 """Drafters: MoA (the method), and the EAGLE-style and independent-LM baselines."""
 
-from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView, load_drafter
+from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView, load_drafter, load_named
 from vllm_moa.models.eagle import EagleDrafter
 from vllm_moa.models.independent import IndependentDrafter
 from vllm_moa.models.moa import MoADrafter, MoADraftState
@@ -14,4 +14,5 @@ __all__ = [
     "MoADrafter",
     "TrainingBatchView",
     "load_drafter",
+    "load_named",
 ]

@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError
+from vllm_moa import registry
+from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError, read_drafter_config
 from vllm_moa.packed_linear import linear
+from vllm_moa.shipped import drafter_directory
 
 if TYPE_CHECKING:
     from vllm_moa.target import TargetModel, TargetOutput
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingBatchView:
-    """What a drafter's training forward needs (see training/masks.py).
+    """What a drafter's training forward needs (see models/masks.py).
 
     input_ids:   [B, T]
     last_anchor: [B, T] s(i)
@@ -178,9 +180,14 @@ def count_parameters(module: nn.Module) -> int:
 def load_drafter(directory: str | Path, target: TargetModel | None = None,
                  strict_fingerprint: bool = True) -> Drafter:
     """Load any drafter checkpoint, dispatching on config.json's model_type."""
-    from vllm_moa.config import read_drafter_config
-    from vllm_moa.kinds import for_config
-
     config = read_drafter_config(directory)
-    return for_config(config.model_type).drafter_class.from_pretrained(directory, target, strict_fingerprint)
+    return registry.for_config(config.model_type).drafter_class.from_pretrained(directory, target, strict_fingerprint)
+
+
+def load_named(drafter: str | Path | None, target: TargetModel | None) -> registry.AnyDrafter:
+    """What a user names on the command line or in the API: a model-free kind's name, None, a
+    shipped drafter's name or a drafter directory (loaded against `target`, in eval mode)."""
+    if drafter is None or (isinstance(drafter, str) and drafter in registry.names(lambda kind: kind.model_free)):
+        return registry.as_drafter(drafter)
+    return load_drafter(drafter_directory(drafter), target).eval()
 

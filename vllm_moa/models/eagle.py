@@ -16,9 +16,9 @@ from torch import Tensor
 from vllm_moa.config import EagleDrafterConfig
 from vllm_moa.layers import DecoderBlock
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
+from vllm_moa.models.masks import self_attention_mask
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetModel, TargetOutput
-from vllm_moa.training.masks import self_attention_mask
 
 
 class EagleDrafter(Drafter):

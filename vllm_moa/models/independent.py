@@ -10,9 +10,9 @@ from torch import nn
 from vllm_moa.config import IndependentDrafterConfig
 from vllm_moa.layers import DecoderBlock, KVCache, RMSNorm, causal_mask_after
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
+from vllm_moa.models.masks import self_attention_mask
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetModel, TargetOutput
-from vllm_moa.training.masks import self_attention_mask
 
 
 class IndependentDrafter(Drafter):

@@ -5,7 +5,7 @@
     CA output --> [TLI > 0: target's last TLI layers + final norm] --> target LM head
 
 Two forward modes share every weight:
-* training: whole sequences, K-step-bounded masks (training/masks.py);
+* training: whole sequences, K-step-bounded masks (models/masks.py);
 * incremental drafting: `MoADraftState` caches (CA rows of verified tokens, SA KV, the last-N
   layers' K/V). For any anchor a, training logits at a+k equal incremental logits k steps past a
   (tests/unit/test_moa_equivalence.py): that property is what makes the training honest.
@@ -13,6 +13,7 @@ Two forward modes share every weight:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -31,9 +32,9 @@ from vllm_moa.layers import (
     causal_mask_after,
 )
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
+from vllm_moa.models.masks import cross_attention_mask, self_attention_mask, target_layers_mask
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
-from vllm_moa.training.masks import cross_attention_mask, self_attention_mask, target_layers_mask
 
 
 class LayerSelfAttention(nn.Module):
@@ -151,6 +152,15 @@ class MoADrafter(Drafter):
             self.out_norm.weight.copy_(target.decoder.norm.weight.to(self.out_norm.weight))
 
     # -- shared pieces ------------------------------------------------------------------------
+    def lsa_fingerprint(self) -> str:
+        """sha256 of the LSA + Ekv2E weights (bf16-rounded, so fp16/fp32 copies agree) and TLI: what
+        must be identical on client and server for server-made rows to mean the same to the drafter."""
+        digest = hashlib.sha256(f"tli={self.tli};".encode())
+        for name, weight in sorted(self.lsa.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(weight.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def rows_from_kv(self, keys: list[Tensor], values: list[Tensor]) -> Tensor:
         """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens -> Ekv2E rows [B, T, E]."""
         layer_rows = stack_layer_kv(keys, values)  # [B, T, L, 2*Ekv]

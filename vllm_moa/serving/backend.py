@@ -15,7 +15,6 @@ interleave round by round). Errors meant for the client are `BackendError`s carr
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,14 +26,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vllm_moa import registry as kinds
 from vllm_moa.config import DrafterTargetMismatch, TargetSignature
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.kinds import registry as kinds
-from vllm_moa.kinds.registry import DrafterKind
 from vllm_moa.models import Drafter, MoADrafter
+from vllm_moa.registry import DrafterKind
 from vllm_moa.serving.protocol import (
     DrafterInfo,
     GenerateRequest,
@@ -74,16 +73,6 @@ class SessionClosed(BackendError):
 
 class BackendUnavailable(RuntimeError):
     """A backend that cannot run here (missing package, not implemented yet)."""
-
-
-def lsa_fingerprint(drafter: MoADrafter) -> str:
-    """sha256 of the LSA + Ekv2E weights (bf16-rounded, so fp16/fp32 copies agree) and TLI: what
-    must be identical on client and server for server-made rows to mean the same to the drafter."""
-    digest = hashlib.sha256(f"tli={drafter.tli};".encode())
-    for name, weight in sorted(drafter.lsa.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(weight.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -154,7 +143,7 @@ class TransformersBackend(TargetBackend):
             kind = kinds.kind_of(drafter).name
             if isinstance(drafter, MoADrafter):
                 drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
-                info = DrafterInfo(name=name, kind="moa", tli=drafter.tli, lsa_fingerprint=lsa_fingerprint(drafter))
+                info = DrafterInfo(name=name, kind="moa", tli=drafter.tli, lsa_fingerprint=drafter.lsa_fingerprint())
                 self._served.append((info, drafter))
             else:
                 self._served.append((DrafterInfo(name=name, kind=kind), None))

@@ -157,9 +157,10 @@ def client(
     tokens), then resync with the server, rolling back from the first token the target rejects."""
     from transformers import AutoTokenizer
 
-    from vllm_moa import kinds
+    from vllm_moa import registry as kinds
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.models import load_named
     from vllm_moa.serving.client import (
         ProtocolError,
         RemoteDraftingClient,
@@ -180,7 +181,7 @@ def client(
             local_target = TargetModel.from_pretrained(target_dir)
             if target is None:
                 local_target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-        model = kinds.load(None if drafter == "api" else drafter, local_target)
+        model = load_named(None if drafter == "api" else drafter, local_target)
         prompt_ids = tokenizer(prompt)["input_ids"]
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,

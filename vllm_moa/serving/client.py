@@ -38,10 +38,10 @@ import httpx
 import torch
 from pydantic import BaseModel, ValidationError
 
+from vllm_moa import registry as kinds
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.kinds import registry as kinds
-from vllm_moa.kinds.registry import DrafterArg
+from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
 from vllm_moa.serving.local import LocalSession, decode_sync, open_local, propose
 from vllm_moa.serving.payload import PayloadError

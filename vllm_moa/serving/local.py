@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vllm_moa import registry as kinds
 from vllm_moa.config import TargetSignature
 from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession, NgramSession
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.kinds.registry import DrafterArg
 from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
-from vllm_moa.serving.backend import lsa_fingerprint
+from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.payload import PayloadError, decode
 from vllm_moa.serving.protocol import DrafterDecl, SyncPayload
 from vllm_moa.target import TargetModel
@@ -124,7 +124,7 @@ class LocalMoA(MoASession, _Local):
     def __init__(self, drafter: MoADrafter, target: TargetModel) -> None:
         super().__init__(drafter, target)
         self._init_local()
-        self.fingerprint = lsa_fingerprint(drafter)
+        self.fingerprint = drafter.lsa_fingerprint()
 
     def declaration(self) -> DrafterDecl:
         return DrafterDecl(kind="moa", target=self.drafter.config.target_signature.to_dict(),
@@ -274,8 +274,6 @@ LocalSession = LocalMoA | LocalEagle | LocalIndependent | LocalNgram
 def open_local(drafter: DrafterArg, target: TargetModel | None) -> LocalSession:
     """The client-side session for a drafter object of any kind that drafts on a client (a loaded
     drafter, NgramDrafter; "ngram" is accepted for the latter)."""
-    from vllm_moa.kinds import registry as kinds
-
     drafter = kinds.as_drafter(drafter)
     kind = kinds.kind_of(drafter)
     if kind.client_session is None:

@@ -37,6 +37,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from vllm_moa import registry as kinds
 from vllm_moa.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 PROTOCOL = "moa-serve/1"
@@ -53,8 +54,6 @@ Encoding = Literal["fp16", "int8"]
 
 def _client_kind(name: str) -> str:
     """A drafter kind that drafts on a client (vllm_moa/kinds: those with a client session)."""
-    from vllm_moa.kinds import registry as kinds
-
     drafting = kinds.names(lambda kind: kind.client_session is not None)
     if name not in drafting:
         raise ValueError(f"drafter kind must be one of {', '.join(drafting)}")
@@ -126,12 +125,11 @@ class DrafterDecl(_Request):
 
     @model_validator(mode="after")
     def _complete(self) -> DrafterDecl:
-        from vllm_moa.kinds import registry as kinds
-
-        if kinds.get(self.kind).declares_target and self.target is None:
+        kind = kinds.get(self.kind)
+        if kind.declares_target and self.target is None:
             raise ValueError(f"a {self.kind} drafter must declare the target signature it was trained for")
-        if self.kind == "moa" and not self.lsa_fingerprint:
-            raise ValueError("a moa drafter must declare lsa_fingerprint (its LSA/Ekv2E weights)")
+        if kind.declares_lsa and not self.lsa_fingerprint:
+            raise ValueError(f"a {self.kind} drafter must declare lsa_fingerprint (its LSA/Ekv2E weights)")
         return self
 
 

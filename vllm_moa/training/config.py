@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vllm_moa.kinds import registry as kinds
+from vllm_moa import registry as kinds
 
 
 class TrainConfig(BaseModel):

@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vllm_moa import kinds
+from vllm_moa import registry as kinds
 from vllm_moa.config import DrafterTargetMismatch
 from vllm_moa.cpu_flags import native_bf16
 from vllm_moa.models import Drafter, TrainingBatchView
 from vllm_moa.models.base import DraftOutput, replace_directory
+from vllm_moa.models.masks import anchor_flags, draft_depth, last_anchor
 from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import (
@@ -47,7 +48,6 @@ from vllm_moa.training.data import (
 )
 from vllm_moa.training.features import FeatureCache
 from vllm_moa.training.losses import agreement_by_depth, drafter_loss
-from vllm_moa.training.masks import anchor_flags, draft_depth, last_anchor
 
 
 class CheckpointError(RuntimeError):

@@ -14,26 +14,31 @@ A kind declares everything the rest of the package dispatches on:
                       target's output (serving/backend.py); None: the client needs nothing back
     client_needs_target  the client-side session reads the target's embedding / LM head
     declares_target   the client declares the target signature the drafter was trained for
+    declares_lsa      the client declares its LSA weights' fingerprint (the server serves only LSA
+                      weights it holds itself)
     training_options  TrainConfig -> extra config options (MoA: its TLI depth)
     prepare_training  (drafter, TrainConfig) -> None, after a fresh drafter is built (EAGLE: rollout)
     evaluation_options  depth -> keyword arguments of training_forward when agreement at that depth
                       is measured (EAGLE: as many feature-autoregression passes as it drafts)
 
-Adding a kind is one new module in vllm_moa/kinds/ calling `register`, plus its name in
-BUILTIN_KINDS below (docs/drafter-kinds.md walks through one). This module imports nothing heavy
-so that every dispatch site can use it; the kind modules are imported on the first lookup.
+This module is the bottom of the package: it imports none of it, so every layer can dispatch on
+kinds without importing the layer that composes them (vllm_moa/kinds/, at the top). Kinds are
+filled in by registration: the entry point group `vllm_moa.drafter_kinds` of the installed
+distributions (setup.py names the built-in ones) is loaded on the first lookup, the way vLLM loads
+its plugins, so another package can add a kind without touching this one; `register` also takes
+a kind directly (tests, notebooks).
 """
 
 from __future__ import annotations
 
-import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from importlib.metadata import entry_points
+from typing import Any, Union
 
-if TYPE_CHECKING:
-    from vllm_moa.models import Drafter
+logger = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "vllm_moa.drafter_kinds"
 
 
 class ModelFreeDrafter:
@@ -41,7 +46,7 @@ class ModelFreeDrafter:
     its name, never trained, loaded or shipped."""
 
 
-AnyDrafter = Union["Drafter", ModelFreeDrafter]  # a drafter object of any kind
+AnyDrafter = Union[Any, ModelFreeDrafter]  # a drafter object of any kind: a models.Drafter or a ModelFreeDrafter
 DrafterArg = Union[AnyDrafter, str, None]  # what the runtime's entry points take (see `as_drafter`)
 
 
@@ -64,6 +69,7 @@ class DrafterKind:
     server_sync: Callable[..., None] | None = None
     client_needs_target: bool = False
     declares_target: bool = True
+    declares_lsa: bool = False
     training_options: Callable[[Any], dict[str, Any]] = _no_options
     prepare_training: Callable[[Any, Any], None] = _nothing
     evaluation_options: Callable[[int], dict[str, Any]] = _no_options
@@ -77,9 +83,8 @@ class DrafterKind:
         return issubclass(self.drafter_class, ModelFreeDrafter)
 
 
-BUILTIN_KINDS = ("moa", "eagle", "independent", "ngram", "none")  # modules of vllm_moa/kinds/, in this order
 _KINDS: dict[str, DrafterKind] = {}
-_builtin_loaded = False
+_entry_points_loaded = False
 
 
 def register(kind: DrafterKind) -> DrafterKind:
@@ -93,11 +98,16 @@ def register(kind: DrafterKind) -> DrafterKind:
 
 
 def _registered() -> dict[str, DrafterKind]:
-    global _builtin_loaded
-    if not _builtin_loaded:
-        _builtin_loaded = True
-        for module in BUILTIN_KINDS:
-            importlib.import_module(f"vllm_moa.kinds.{module}")  # each registers its kind
+    """The registered kinds, after loading the installed distributions' kind entry points once
+    (a kind module registers itself when it is imported)."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            point.load()
+        if not _KINDS:
+            logger.warning("no drafter kinds registered: is vllm-moa installed (pip install -e .)? "
+                           "The entry point group %s names them.", ENTRY_POINT_GROUP)
     return _KINDS
 
 
@@ -144,17 +154,6 @@ def as_drafter(drafter: DrafterArg) -> AnyDrafter:
                          f"{', '.join(names(lambda k: k.model_free))}; got {drafter!r}")
     kind_of(drafter)  # a TypeError for anything else
     return drafter
-
-
-def load(drafter: str | Path | None, target: Any) -> AnyDrafter:
-    """What a user names on the command line or in the API: a model-free kind's name, None, a
-    shipped drafter's name or a drafter directory (loaded against `target`, in eval mode)."""
-    if drafter is None or (isinstance(drafter, str) and drafter in _registered() and get(drafter).model_free):
-        return as_drafter(drafter)
-    from vllm_moa.models import load_drafter
-    from vllm_moa.shipped import drafter_directory
-
-    return load_drafter(drafter_directory(drafter), target).eval()
 
 
 def open_runtime_session(drafter: AnyDrafter, target: Any) -> Any:
