@@ -26,17 +26,13 @@ unreachable for `give_up_after_s`).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-import httpx
+import tenacity
 import torch
-from pydantic import BaseModel, ValidationError
 
 from vllm_moa import registry as kinds
 from vllm_moa.decoding.sampling import SamplingParams
@@ -44,196 +40,20 @@ from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
 from vllm_moa.serving.local import LocalSession, decode_sync, open_local, propose
-from vllm_moa.serving.payload import PayloadError
 from vllm_moa.serving.protocol import InfoResponse, OpenResponse, VerifyResponse
+from vllm_moa.serving.stream import (
+    ClientResult,
+    ProtocolError,
+    RequestRefused,
+    ServerUnavailable,
+    StreamEvent,
+    Transcript,
+)
+from vllm_moa.serving.transport import StaleSession, TransientFailure, Transport, payload_errors
 from vllm_moa.target import TargetModel
 
-
-class ServerUnavailable(ConnectionError):
-    """The server could not be reached for long enough to start (or finish) a generation."""
-
-
-class RequestRefused(ValueError):
-    """The server refused a request with a 4xx (bad input, auth, limits, mismatched drafter)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"server refused the request ({status}): {message}")
-        self.status, self.message = status, message
-
-
-class ProtocolError(RuntimeError):
-    """The server's answer is inconsistent with the request (a server bug, not a network fault)."""
-
-
-class _Transient(Exception):
-    """A failure the network may have caused: retry."""
-
-
-class _Stale(Exception):
-    """The server no longer has the session as the client knows it: reopen."""
-
-
-@dataclass
-class StreamEvent:
-    """kind = verified:   tokens[start : start+len] are the target's (confirming unverified ones or
-                          appending); unverified: drafted alone, appended at start; rollback: the
-                          tokens from start on are gone; done: `result` is final."""
-
-    kind: Literal["verified", "unverified", "rollback", "done"]
-    start: int
-    tokens: list[int] = field(default_factory=list)
-    result: ClientResult | None = None
-
-
-class Transcript:
-    """The output as a consumer of StreamEvents sees it."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.num_verified = 0
-
-    def apply(self, event: StreamEvent) -> None:
-        if event.kind == "rollback":
-            if event.start < self.num_verified:
-                raise ProtocolError("rollback into verified tokens")
-            del self.tokens[event.start:]
-        elif event.kind in ("verified", "unverified"):
-            if event.start > len(self.tokens) or (event.kind == "unverified" and event.start != len(self.tokens)):
-                raise ProtocolError(f"{event.kind} tokens at {event.start} leave a gap after {len(self.tokens)}")
-            end = event.start + len(event.tokens)
-            if event.kind == "verified":
-                if event.start != self.num_verified:
-                    raise ProtocolError(f"verified tokens at {event.start}, expected {self.num_verified}")
-                self.num_verified = end
-            self.tokens[event.start:end] = event.tokens
-
-
-@dataclass
-class ClientResult:
-    token_ids: list[int]
-    num_verified: int  # token_ids[:num_verified] were verified by the target
-    finish_reason: str = "length"  # length | eos | disconnected
-    text: str | None = None
-    seconds: float = 0.0
-    ttft: float = 0.0
-    calls: int = 0  # HTTP requests made (including failed ones)
-    verify_calls: int = 0  # successful verifications
-    bytes_sent: int = 0  # HTTP request bytes (headers + body), as sent by this client
-    bytes_received: int = 0  # HTTP response bytes (headers + body)
-    accepted_per_verify: list[int] = field(default_factory=list)  # path length (root included) per fresh draft
-    drafted_per_verify: list[int] = field(default_factory=list)  # draft depth per fresh draft
-    draft_seconds: float = 0.0
-    server_seconds: float = 0.0  # the server's own time for this generation's calls, as it reports it
-    failures: int = 0  # transient errors
-    disconnects: int = 0  # online -> offline transitions
-    reopens: int = 0  # sessions reopened (404 / 409)
-    offline_tokens: int = 0  # tokens drafted while offline
-    offline_confirmed: int = 0  # of those, confirmed by the target
-    rollbacks: int = 0
-    rolled_back_tokens: int = 0
-
-    @property
-    def verified_mask(self) -> list[bool]:
-        return [i < self.num_verified for i in range(len(self.token_ids))]
-
-    @property
-    def acceptance_length(self) -> float:
-        return sum(self.accepted_per_verify) / max(1, len(self.accepted_per_verify))
-
-
-# -- transport ----------------------------------------------------------------------------------
-class _Transport:
-    """httpx with keep-alive; failures classified as transient (retry), stale (reopen) or refused."""
-
-    def __init__(self, url: str, token: str | None, timeout: float, connect_timeout: float) -> None:
-        headers = {"content-type": "application/json"}
-        if token:
-            headers["authorization"] = f"Bearer {token}"
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers,
-                                 timeout=httpx.Timeout(timeout, connect=connect_timeout))
-        self.calls = self.bytes_sent = self.bytes_received = 0
-
-    def close(self) -> None:
-        self.http.close()
-
-    def _count_request(self, request: httpx.Request, body: bytes) -> None:
-        self.calls += 1
-        line = len(request.method) + len(request.url.raw_path) + 12
-        self.bytes_sent += line + sum(len(k) + len(v) + 4 for k, v in request.headers.raw) + 2 + len(body)
-
-    def _count_response(self, response: httpx.Response, body_bytes: int) -> None:
-        self.bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in response.headers.raw) + 2 + body_bytes
-
-    def call(self, method: str, path: str, body: dict | None, model: type[BaseModel] | None,
-             stale: tuple[int, ...] = ()) -> BaseModel | dict:
-        content = json.dumps(body).encode() if body is not None else b""
-        request = self.http.build_request(method, path, content=content or None)
-        self._count_request(request, content)
-        try:
-            response = self.http.send(request)
-        except httpx.RequestError as err:
-            raise _Transient(f"{type(err).__name__}: {err}") from None
-        self._count_response(response, len(response.content))
-        if response.status_code >= 500:
-            raise _Transient(f"server error {response.status_code}")
-        if response.status_code in stale:
-            raise _Stale(_message(response))
-        if response.status_code >= 400:
-            raise RequestRefused(response.status_code, _message(response))
-        try:
-            return model.model_validate_json(response.content) if model is not None else response.json()
-        except (ValidationError, ValueError) as err:
-            raise _Transient(f"malformed response: {err}") from None
-
-    def stream_lines(self, path: str, body: dict) -> Iterator[dict]:
-        content = json.dumps(body).encode()
-        request = self.http.build_request("POST", path, content=content)
-        self._count_request(request, content)
-        try:
-            response = self.http.send(request, stream=True)
-        except httpx.RequestError as err:
-            raise _Transient(f"{type(err).__name__}: {err}") from None
-        try:
-            if response.status_code >= 400:
-                response.read()
-                self._count_response(response, len(response.content))
-                if response.status_code >= 500:
-                    raise _Transient(f"server error {response.status_code}")
-                raise RequestRefused(response.status_code, _message(response))
-            self._count_response(response, 0)
-            for line in response.iter_lines():
-                self.bytes_received += len(line) + 1
-                if line.strip():
-                    try:
-                        data = json.loads(line)
-                    except ValueError as err:
-                        raise _Transient(f"malformed stream line: {err}") from None
-                    if not isinstance(data, dict):
-                        raise _Transient(f"malformed stream line: {line[:100]!r}")
-                    if "error" in data:  # the server failed mid-stream (its status line had gone out)
-                        raise _Transient(f"server error mid-stream: {data['error']}")
-                    yield data
-        except httpx.RequestError as err:
-            raise _Transient(f"{type(err).__name__}: {err}") from None
-        finally:
-            response.close()
-
-
-@contextlib.contextmanager
-def _payload_errors() -> Iterator[None]:
-    """A sync payload the drafter cannot use is the server's fault: ProtocolError."""
-    try:
-        yield
-    except PayloadError as err:
-        raise ProtocolError(f"unusable sync payload: {err}") from None
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        return str(response.json().get("error", response.text))
-    except (ValueError, AttributeError):
-        return response.text[:500]
-
+__all__ = ["ClientResult", "ProtocolError", "RemoteDraftingClient", "RequestRefused", "ServerUnavailable",
+           "StreamEvent", "Transcript"]
 
 # -- one generation -----------------------------------------------------------------------------
 @dataclass
@@ -292,7 +112,7 @@ class RemoteDraftingClient:
         self.encoding, self.num_draft, self.tree_top_k, self.max_depth = encoding, num_draft, tree_top_k, max_depth
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.max_unverified, self.offline_chunk, self.give_up_after_s = max_unverified, offline_chunk, give_up_after_s
-        self.transport = _Transport(url, token, timeout, connect_timeout)
+        self.transport = Transport(url, token, timeout, connect_timeout)
         self._rng = random.Random(seed)
         self._info: InfoResponse | None = None
 
@@ -394,7 +214,7 @@ class RemoteDraftingClient:
         run.result.server_seconds += response.server_ms / 1e3
         sync = self._decode(response.sync, 0, len(run.prompt))
         first = self._token(response.first_token, "first token")
-        with _payload_errors():
+        with payload_errors():
             run.local.start(run.prompt, sync)
         run.session_id, run.seq = response.session_id, response.length
         if run.seq != len(run.prompt):
@@ -422,7 +242,7 @@ class RemoteDraftingClient:
             return  # the server expires it (idle TTL); do not wait on a dead link
         try:
             self.transport.call("DELETE", f"/v1/sessions/{session_id}", None, None, stale=(404,))
-        except (_Transient, _Stale, RequestRefused):
+        except (TransientFailure, StaleSession, RequestRefused):
             pass
 
     def _sampling_body(self, run: _Run, salt: int = 0) -> dict:
@@ -436,7 +256,7 @@ class RemoteDraftingClient:
         if sync.start != start or sync.count != count:
             raise ProtocolError(f"sync payload covers {sync.start}+{sync.count}, expected {start}+{count}")
         target = self.target
-        with _payload_errors():
+        with payload_errors():
             return decode_sync(sync, target.dtype if target is not None else torch.float32,
                                target.device if target is not None else torch.device("cpu"),
                                target.signature if target is not None else None)
@@ -475,18 +295,18 @@ class RemoteDraftingClient:
         try:
             response = self.transport.call("POST", f"/v1/sessions/{run.session_id}/verify", body, VerifyResponse,
                                            stale=(404, 409))
-        except _Transient:
+        except TransientFailure:
             run.local.rollback()
             self._went_offline(run)
             return
-        except _Stale as err:
+        except StaleSession as err:
             run.local.rollback()
             run.stale += 1
             if run.stale > 3:
                 raise ProtocolError(f"the server keeps refusing a freshly reopened session: {err}") from None
             try:
                 self._reopen(run)
-            except _Transient:
+            except TransientFailure:
                 self._went_offline(run)
             return
         wall = time.perf_counter() - t0
@@ -502,7 +322,7 @@ class RemoteDraftingClient:
             raise ProtocolError(f"verify response does not fit the draft: path {path}, seq {response.seq}")
         sync = self._decode(response.sync, run.seq, len(path))
         nxt = self._token(response.next_token, "next token")
-        with _payload_errors():
+        with payload_errors():
             run.local.accept(tree, path, sync)
         run.seq = response.seq
         depth = max(tree.depths)
@@ -575,22 +395,25 @@ class RemoteDraftingClient:
         if not run.offline:
             run.offline, run.offline_since = True, time.monotonic()
             run.result.disconnects += 1
-        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (run.failures - 1)) * self._rng.uniform(0.75, 1.25)
-        run.next_try = time.monotonic() + delay
+        run.next_try = time.monotonic() + self._backoff(run.failures)
+
+    def _backoff(self, failures: int) -> float:
+        """Seconds to wait after `failures` consecutive failures: exponential, capped, jittered
+        (seeded: a client's retries are reproducible)."""
+        return min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1)) * self._rng.uniform(0.75, 1.25)
 
     def _retrying(self, call: Callable[[], object]):
         """Run `call` until it does not fail transiently, with backoff, for give_up_after_s."""
-        deadline = time.monotonic() + self.give_up_after_s
-        failures = 0
-        while True:
-            try:
-                return call()
-            except (_Transient, _Stale) as err:
-                failures += 1
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(f"server unreachable for {self.give_up_after_s:.0f}s: {err}") from None
-                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1)) * self._rng.uniform(0.75, 1.25)
-                time.sleep(delay)
+
+        def give_up(state: tenacity.RetryCallState):
+            raise ServerUnavailable(f"server unreachable for {self.give_up_after_s:.0f}s: "
+                                    f"{state.outcome.exception()}") from None
+
+        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type((TransientFailure, StaleSession)),
+                                     stop=tenacity.stop_after_delay(self.give_up_after_s),
+                                     wait=lambda state: self._backoff(state.attempt_number),
+                                     sleep=lambda seconds: time.sleep(seconds), retry_error_callback=give_up)
+        return retrying(call)
 
     # -- the API-call baseline --------------------------------------------------------------------
     def _api_events(self, run: _Run) -> Iterator[StreamEvent]:
@@ -613,7 +436,7 @@ class RemoteDraftingClient:
                         run.done = run.done or len(run.out) >= run.max_tokens
                         break
                 run.offline, run.failures = False, 0
-            except _Transient:
+            except TransientFailure:
                 self._went_offline(run)
                 if time.monotonic() - run.offline_since > self.give_up_after_s:
                     run.result.finish_reason = "disconnected"
