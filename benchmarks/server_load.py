@@ -1,4 +1,4 @@
-"""A bounded load test of the verification server on loopback (issue 14, reliability).
+"""A bounded load test of the verification server on loopback (reliability).
 
 The real server (`vllm-moa serve`: the FastAPI app of vllm_moa/serving/server.py under uvicorn, the
 shipped demo target and its MoA drafters, 1 torch thread) runs in a subprocess on 127.0.0.1 with

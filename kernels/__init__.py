@@ -18,7 +18,8 @@ Tree attention over a paged KV cache (kernels/tree.py)
     tree_attention_triton(...)      the Triton kernel
     tree_attention_reference(...)   the twin: dense boolean mask + F.scaled_dot_product_attention
     tree_ancestor_masks(parents, cu_seqlens) -> int64 [T]
-    Its caller is tree verification inside vLLM's engine (issue 17), not built yet.
+    Called by draft-tree verification inside vLLM's engine (vllm_moa/integration/tree.py,
+    CPU_ATTN: the twin; GPU backends are refused until the Triton path is tested on a GPU).
 Paged caches (kernels/paged.py; the layout is documented there)
     split_kv_cache, gather_slots, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,
     PagedLayers

