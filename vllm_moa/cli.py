@@ -8,6 +8,9 @@ from typing import Optional
 
 import typer
 
+from vllm_moa.cli_flags import with_model_flags
+from vllm_moa.training.config import TrainConfig
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Mixture of Attentions speculative decoding: train drafters, generate faster.")
 
@@ -143,33 +146,8 @@ def generate(
                f"TTFT {summary['mean_ttft_s'] * 1000:.0f} ms]", err=True)
 
 
-def _with_train_config_flags(command):
-    """Give `command` (which takes `**config_fields`) one --flag per TrainConfig field, its type,
-    default and help taken from the field's declaration (training/config.py), so that the
-    command never restates them. drafter_options is the JSON --drafter-config instead."""
-    import inspect
-    from typing import Literal, get_origin
-
-    from vllm_moa.training.config import TrainConfig
-
-    signature = inspect.signature(command)
-    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    derived = []
-    for name, field in TrainConfig.model_fields.items():
-        if name == "drafter_options":
-            continue
-        annotation = str if get_origin(field.annotation) is Literal else field.annotation
-        default = field.get_default(call_default_factory=True)
-        derived.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                         default=typer.Option(default, help=field.description)))
-        command.__annotations__[name] = annotation
-    command.__signature__ = signature.replace(parameters=[
-        *[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own], *derived])
-    return command
-
-
 @app.command()
-@_with_train_config_flags
+@with_model_flags(TrainConfig, skip=("drafter_options",))
 def train(
     target: Path = typer.Option(..., help="Target model directory (transformers format, with tokenizer)."),
     drafter_config: str = typer.Option("{}", help="JSON object of drafter config options, e.g. '{\"sa_intermediate_size\": 512}' (vllm_moa/config.py declares them)."),
@@ -197,7 +175,7 @@ def train(
     from vllm_moa.target import TargetModel, UnsupportedTargetError
     from vllm_moa.training.data import DatasetError
     from vllm_moa.training.sources import DataSpec, build_examples
-    from vllm_moa.training.trainer import CheckpointError, TrainConfig, Trainer, resolve_device
+    from vllm_moa.training.trainer import CheckpointError, Trainer, resolve_device
 
     try:
         options = json.loads(drafter_config)

@@ -20,6 +20,9 @@ from typing import Optional
 
 import typer
 
+from vllm_moa.cli_flags import model_values, with_model_flags
+from vllm_moa.serving.protocol import ServerLimits
+
 
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
@@ -35,6 +38,7 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+@with_model_flags(ServerLimits)
 def serve(
     target: Optional[Path] = typer.Option(None, help="Target directory (default: the shipped demo target)."),
     drafter: list[str] = typer.Option([], help="Drafter the server keeps in sync, NAME=DIR or a shipped name "
@@ -49,37 +53,19 @@ def serve(
     device: str = typer.Option("cpu", help="transformers backend device: cpu | cuda | cuda:N."),
     token_file: Optional[Path] = typer.Option(None, help="File of bearer tokens, one per line (each names a client)."),
     token_env: str = typer.Option("VLLM_MOA_TOKEN", help="Environment variable with comma-separated bearer tokens."),
-    max_body_bytes: int = typer.Option(1 << 20, help="Largest request body accepted."),
-    max_prompt_tokens: int = typer.Option(4096, help="Longest prompt accepted."),
-    max_draft_nodes: int = typer.Option(64, help="Most drafted nodes verified per request."),
-    max_new_tokens: int = typer.Option(1024, help="Most tokens one /v1/generate call produces."),
-    max_sessions: int = typer.Option(256, help="Open sessions in all."),
-    max_sessions_per_client: int = typer.Option(64, help="Open sessions per client (its token, or its address "
-                                                          "without tokens)."),
-    max_generations: int = typer.Option(16, help="/v1/generate calls in flight in all (keep it below the 40 "
-                                                 "worker threads)."),
-    max_generations_per_client: int = typer.Option(4, help="/v1/generate calls in flight per client."),
-    max_session_tokens: int = typer.Option(8192, help="Longest sequence (prompt + generated/verified tokens) of a "
-                                                      "session or generation; the target's context window caps it "
-                                                      "too."),
-    max_total_tokens: int = typer.Option(1 << 16, help="Tokens whose K/V the server holds at once, over all sessions "
-                                                       "and generations (size it to memory: per token, 2 x layers x "
-                                                       "kv_heads x head_dim x bytes per value)."),
-    session_ttl: float = typer.Option(300.0, help="Seconds a session may stay idle."),
-    session_max_age: float = typer.Option(3600.0, help="Seconds a session may live."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     threads: int = typer.Option(0, help="torch CPU threads (0 = torch's default). Use 1 when the client runs on "
                                         "the same machine: two processes spinning 2 threads each on 2 cores "
                                         "slow both down many times over."),
     min_forward_ms: float = typer.Option(0.0, help="Benchmarks: make every target forward take at least this "
                                                    "long (emulates a larger, memory-bound target)."),
+    **limit_flags,
 ) -> None:
     """Serve a target for remote drafting clients: session verification and plain generation."""
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
-    from vllm_moa.serving.protocol import ServerLimits
     from vllm_moa.serving.security import check_exposure, is_loopback, load_tokens
     from vllm_moa.serving.server import create_app
     from vllm_moa.serving.server import serve as run
@@ -90,12 +76,7 @@ def serve(
         _set_threads(threads)
         if backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
-                              max_draft_nodes=max_draft_nodes, max_new_tokens=max_new_tokens,
-                              max_sessions=max_sessions, max_sessions_per_client=max_sessions_per_client,
-                              max_generations=max_generations, max_generations_per_client=max_generations_per_client,
-                              max_session_tokens=max_session_tokens, max_total_tokens=max_total_tokens,
-                              session_idle_ttl_s=session_ttl, session_max_age_s=session_max_age)
+        limits = ServerLimits(**model_values(ServerLimits, limit_flags))
         tokens = load_tokens(None, token_file, token_env)
         check_exposure(host, bool(tokens), insecure)  # before any model is loaded
         demo = target is None

@@ -68,22 +68,33 @@ class _Request(BaseModel):
 
 
 class ServerLimits(BaseModel):
-    """What the server accepts; also reported by /v1/info so a client can size its drafts."""
+    """What the server accepts; also reported by /v1/info so a client can size its drafts. The one
+    declaration of the server's limits: `vllm-moa serve` derives its flags from it (cli_flags.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_body_bytes: int = Field(1 << 20, ge=256)
-    max_prompt_tokens: int = Field(4096, ge=1, le=HARD_MAX_TOKENS)
-    max_draft_nodes: int = Field(64, ge=1, le=HARD_MAX_NODES - 1)
-    max_new_tokens: int = Field(1024, ge=1, le=HARD_MAX_TOKENS)
-    max_sessions: int = Field(256, ge=1)
-    max_sessions_per_client: int = Field(64, ge=1)
-    max_generations: int = Field(16, ge=1)  # /v1/generate calls in flight (each holds a worker thread)
-    max_generations_per_client: int = Field(4, ge=1)
-    max_session_tokens: int = Field(8192, ge=2)  # longest sequence (session or generation), under the context window
-    max_total_tokens: int = Field(1 << 16, ge=2)  # tokens whose K/V the server holds at once, over everything
-    session_idle_ttl_s: float = Field(300.0, gt=0)
-    session_max_age_s: float = Field(3600.0, gt=0)
+    max_body_bytes: int = Field(1 << 20, ge=256, description="Largest request body accepted.")
+    max_prompt_tokens: int = Field(4096, ge=1, le=HARD_MAX_TOKENS, description="Longest prompt accepted.")
+    max_draft_nodes: int = Field(64, ge=1, le=HARD_MAX_NODES - 1, description="Most drafted nodes verified per request.")
+    max_new_tokens: int = Field(1024, ge=1, le=HARD_MAX_TOKENS,
+                                description="Most tokens one /v1/generate call produces.")
+    max_sessions: int = Field(256, ge=1, description="Open sessions in all.")
+    max_sessions_per_client: int = Field(64, ge=1, description="Open sessions per client (its token, or its address "
+                                                               "without tokens).")
+    max_generations: int = Field(16, ge=1, description="/v1/generate calls in flight in all (each holds a worker "
+                                                       "thread: keep it below the 40 worker threads).")
+    max_generations_per_client: int = Field(4, ge=1, description="/v1/generate calls in flight per client.")
+    max_session_tokens: int = Field(8192, ge=2, description="Longest sequence (prompt + generated/verified tokens) "
+                                                            "of a session or generation; the target's context "
+                                                            "window caps it too.")
+    max_total_tokens: int = Field(1 << 16, ge=2, description="Tokens whose K/V the server holds at once, over all "
+                                                             "sessions and generations (size it to memory: per "
+                                                             "token, 2 x layers x kv_heads x head_dim x bytes per "
+                                                             "value).")
+    session_idle_ttl_s: float = Field(300.0, gt=0, description="Seconds a session may stay idle.",
+                                      json_schema_extra={"cli_flag": "session_ttl"})
+    session_max_age_s: float = Field(3600.0, gt=0, description="Seconds a session may live.",
+                                     json_schema_extra={"cli_flag": "session_max_age"})
 
 
 class SamplingOptions(_Request):
