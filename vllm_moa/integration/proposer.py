@@ -234,7 +234,7 @@ class MoAProposer(DraftModelProposer):
             for b, rows, _ in levels:
                 growths[b].advance(logits[rows])
         drafts = torch.empty(batch, count, dtype=torch.long)
-        req_ids = self._runner.input_batch.req_ids
+        req_ids = compat.RunnerView(self._runner).req_ids
         for b, growth in enumerate(growths):
             drafted = tree.preorder(tree.pad_tree(growth.result(), spec.budget))
             drafts[b] = drafted.tokens[1: count + 1]
@@ -247,20 +247,19 @@ class MoAProposer(DraftModelProposer):
         """RunnerPrepareInputsPatch's hook: this step's trees (tree.plan_step)."""
         if self.tree_spec is None:
             return
-        reason = tree.chain_only_reason(runner.input_batch.sampling_metadata,
-                                        scheduler_output.has_structured_output_requests,
-                                        runner.model_config.logprobs_mode)
+        view = compat.RunnerView(runner)
+        reason = tree.chain_only_reason(view.sampling_metadata, scheduler_output.has_structured_output_requests,
+                                        view.logprobs_mode)
         if reason is not None:
             if reason != self._chain_only_reason:
                 logger.info("MoA draft trees: verified as chains while the batch uses %s", reason)
             self._chain_only_reason = reason
             tree.set_active(None)
             return
-        num_reqs = runner.input_batch.num_reqs
         tree.set_active(tree.plan_step(
-            self.drafted_trees, scheduler_output.scheduled_spec_decode_tokens, runner.input_batch.req_id_to_index,
-            runner.query_start_loc.np[: num_reqs + 1], runner.input_batch.num_computed_tokens_cpu[:num_reqs],
-            runner.positions, frozenset(layer.layer_name for layer in self._target_layers), self._kv_layout,
+            self.drafted_trees, scheduler_output.scheduled_spec_decode_tokens, view.req_id_to_index,
+            view.query_start_loc(), view.num_computed_tokens(),
+            view.positions, frozenset(layer.layer_name for layer in self._target_layers), self._kv_layout,
         ))
 
     def accept_tree_step(self, runner, logits, spec_decode_metadata, sampler_output) -> None:
@@ -268,11 +267,12 @@ class MoAProposer(DraftModelProposer):
         step = tree.take_active()
         if step is None or spec_decode_metadata is None:
             return
+        view = compat.RunnerView(runner)
         step.accept(
-            logits, spec_decode_metadata.cu_num_sampled_tokens, runner.input_batch.sampling_metadata,
+            logits, spec_decode_metadata.cu_num_sampled_tokens, view.sampling_metadata,
             sampler_output.sampled_token_ids, [layer.kv_cache for layer in self._target_layers],
-            runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu, runner.input_ids.gpu,
-            runner.positions, sampler_output.logprobs_tensors, runner.model_config.logprobs_mode,
+            view.slot_mapping(self.kv_cache_gid), view.input_ids,
+            view.positions, sampler_output.logprobs_tensors, view.logprobs_mode,
         )
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
