@@ -26,7 +26,7 @@ CORE_REQUIRES = [
 ]
 
 # client-server deployment (vllm_moa/serving): `vllm-moa serve` / `vllm-moa client`
-SERVE_REQUIRES = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "numpy", "tenacity>=8.2"]
+SERVE_REQUIRES = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "numpy", "tenacity>=8.2", "prometheus-client>=0.20"]
 
 EXTRAS = {
     # the series vllm_moa/integration/compat.py supports: 0.26 (GPUs; torch 2.11) and 0.32

@@ -1,6 +1,6 @@
 """Acceptance of the SmolLM2 drafters on held-out Spec-Bench sets, through the transformers runtime.
 
-    python benchmarks/acceptance_smollm2.py --specbench ../shared/data/specbench \
+    python -m benchmarks.acceptance_smollm2 --specbench ../shared/data/specbench \
         [--sets mt_bench gsm8k alpaca qa sum] [--num-prompts 8] [--max-new-tokens 64]
 
 For each set: the first turn of its first N questions, chat-templated, answered by SmolLM2-135M-
@@ -25,10 +25,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402

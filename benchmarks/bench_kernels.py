@@ -1,6 +1,6 @@
 """Microbenchmarks of the MoA Triton kernels against their PyTorch twins and dense SDPA.
 
-    python benchmarks/bench_kernels.py [--dtype bf16] [--quick] [--out benchmarks/results/x.json]
+    python -m benchmarks.bench_kernels [--dtype bf16] [--quick] [--out benchmarks/results/x.json]
 
 Needs a CUDA GPU: without one it exits with a message and measures nothing (the Triton CPU
 interpreter is a correctness tool; its timings mean nothing). `--smoke` runs tiny shapes anywhere

@@ -23,7 +23,7 @@ process (1 torch thread), and a netsim proxy in a third process between them (lo
    same (offline) prefix.
    The API-only client produces nothing while disconnected.
 
-    python benchmarks/client_server.py [--prompts 4] [--tokens 64] [--offline-prompts 8]
+    python -m benchmarks.client_server [--prompts 4] [--tokens 64] [--offline-prompts 8]
 
 Writes benchmarks/results/client_server_cpu.{json,png} (with provenance). About 10 minutes on 2 cores.
 """
@@ -42,11 +42,11 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import provenance as common_provenance
-from provenance import versions
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from benchmarks.provenance import provenance as common_provenance
+from benchmarks.provenance import versions
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript

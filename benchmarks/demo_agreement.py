@@ -2,7 +2,7 @@
 the shipped fp16 weights (vllm_moa/assets/demo: the target + moa-tli0, moa-tli1, eagle,
 independent) on held-out on-policy data.
 
-    python benchmarks/demo_agreement.py [--threads 1] [--out benchmarks/results/demo_agreement]
+    python -m benchmarks.demo_agreement [--threads 1] [--out benchmarks/results/demo_agreement]
 
 Held-out data, built the way vllm_moa/recipes/stdlib_demo.py builds it (with the recipe recorded
 in the demo's card.json): the held-out stdlib files (the first 5% of the seeded shuffle of this
@@ -34,8 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import ROOT, provenance  # noqa: E402
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 
 NAMES = {"moa-tli0": "MoA TLI=0", "moa-tli1": "MoA TLI=1", "eagle": "EAGLE-style", "independent": "independent LM"}
 

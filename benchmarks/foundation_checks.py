@@ -5,7 +5,7 @@
 2. a drafter trained by `vllm-moa train` (200 steps, on-policy data) on a tiny random 4-layer
    target with a 320-token BPE: held-out top-1 agreement per draft depth, against chance.
 
-    python benchmarks/foundation_checks.py   -> benchmarks/results/foundation_checks.json
+    python -m benchmarks.foundation_checks   -> benchmarks/results/foundation_checks.json
 """
 
 from __future__ import annotations

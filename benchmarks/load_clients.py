@@ -8,7 +8,7 @@ import random
 import threading
 import time
 
-from load_recorder import KINDS, REFUSALS, TIMEOUT_S, response_json
+from benchmarks.load_recorder import KINDS, REFUSALS, TIMEOUT_S, response_json
 
 
 # -- clients ------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 forward over n new tokens (after a 96-token prefix), PyTorch's default fp32 linear against
 oneDNN's pre-packed one with fused projections (vllm_moa/packed_linear.py).
 
-    python benchmarks/packed_linear_cpu.py [--rows 1 2 4 8 16 24 32] [--repeats 8]
+    python -m benchmarks.packed_linear_cpu [--rows 1 2 4 8 16 24 32] [--repeats 8]
 
 The ratio forward(n) / forward(1) is what a speculative round pays to verify n tokens instead of
 decoding one: the smaller it stays, the more a draft tree gains. Writes
@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa import packed_linear  # noqa: E402
 from vllm_moa.target import TargetKVCache, TargetModel  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402

@@ -2,7 +2,7 @@
 decoding through the same batched engine (no drafter) against MoA, EAGLE-style and n-gram
 drafters, as chains of K = 3 and one small tree.
 
-    python benchmarks/runtime_batch_cpu.py --prompts ../shared/data/specbench/mt_bench/question.jsonl \
+    python -m benchmarks.runtime_batch_cpu --prompts ../shared/data/specbench/mt_bench/question.jsonl \
         [--batches 1 4 16] [--max-new-tokens 48]
 
 For each batch size B, B prompts (chat-templated Spec-Bench questions, cycled if there are fewer)
@@ -25,10 +25,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402

@@ -3,9 +3,9 @@ independent LM, EAGLE-style and MoA TLI 0 / 1 drafters, as chains of K and as EA
 greedy, batch 1. Targets: the shipped demo models, or SmolLM2-135M-Instruct with the drafters
 shipped for it (vllm_moa/assets/smollm2).
 
-    python benchmarks/runtime_cpu.py [--prompts spec_bench/question.jsonl] [--num-prompts 16]
+    python -m benchmarks.runtime_cpu [--prompts spec_bench/question.jsonl] [--num-prompts 16]
                                      [--max-new-tokens 96] [--profile]
-    python benchmarks/runtime_cpu.py --target smollm2 \
+    python -m benchmarks.runtime_cpu --target smollm2 \
         --prompts ../shared/data/specbench/mt_bench/question.jsonl ../shared/data/specbench/gsm8k/question.jsonl \
         --num-prompts 2 --heldout 2 --max-new-tokens 64 --drafters moa-tli0 eagle ngram \
         --chains 3 --trees 3,2,4 4,4,8 5,4,16 6,4,24 --profile
@@ -37,10 +37,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import provenance as common_provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from benchmarks.provenance import provenance as common_provenance  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402

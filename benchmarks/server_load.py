@@ -32,7 +32,7 @@ token budget: it succeeds only if no session, generation or token was leaked by 
 Recorded: status codes per route, latency percentiles per route (2xx), refusals, the server's RSS
 over time (psutil, else /proc), completions per client kind.
 
-    python benchmarks/server_load.py [--duration 60] [--clients 24] [--out benchmarks/results/server_load_cpu.json]
+    python -m benchmarks.server_load [--duration 60] [--clients 24] [--out benchmarks/results/server_load_cpu.json]
 
 Writes the JSON (with provenance) and a PNG next to it; exits non-zero if a check failed.
 """
@@ -53,9 +53,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_clients import Context, client_thread, health_prober  # noqa: E402
-from load_recorder import (  # noqa: E402
+from benchmarks.load_clients import Context, client_thread, health_prober  # noqa: E402
+from benchmarks.load_recorder import (  # noqa: E402
     KINDS,
     TIMEOUT_S,
     LoadTestFailed,
@@ -64,7 +63,7 @@ from load_recorder import (  # noqa: E402
     plot,
     summarize,
 )
-from provenance import ROOT, provenance  # noqa: E402
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 
 
 # -- the server ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ loss + backward, optimizer) and the CPU's flags (bf16 is native on avx512_bf16 /
     + bf16            autocast (the "auto" precision on CPUs with native bf16)
     + compile         torch.compile of the drafter's blocks (TrainConfig.compile)
 
-    python benchmarks/training_throughput_cpu.py [--steps 8] [--sequences 256]
+    python -m benchmarks.training_throughput_cpu [--steps 8] [--sequences 256]
 
 Writes benchmarks/results/training_throughput_cpu.{json,png} with provenance.
 """
@@ -28,8 +28,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.cpu_flags import isa_summary, native_bf16  # noqa: E402
 from vllm_moa.models.base import TrainingBatchView  # noqa: E402
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary  # noqa: E402

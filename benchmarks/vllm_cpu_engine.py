@@ -3,10 +3,10 @@ TLI = 1 (K = 3) and MoA draft trees against the chain of the same node budget (-
 concurrency 1, 4 and 16: output tokens/s, time per output token and acceptance length, all from
 vLLM's own engine and counters.
 
-    python benchmarks/vllm_cpu_engine.py                      # the shipped demo target + MoA TLI=0
-    python benchmarks/vllm_cpu_engine.py --target smollm2 --drafter DIR   # the real target
-    python benchmarks/vllm_cpu_engine.py --ks 3 --concurrency 1 --max-tokens 32   # a quick look
-    python benchmarks/vllm_cpu_engine.py --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
+    python -m benchmarks.vllm_cpu_engine                      # the shipped demo target + MoA TLI=0
+    python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR   # the real target
+    python -m benchmarks.vllm_cpu_engine --ks 3 --concurrency 1 --max-tokens 32   # a quick look
+    python -m benchmarks.vllm_cpu_engine --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -30,9 +30,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 

