@@ -54,7 +54,7 @@ MERGES = ["Ġ t", "h e", "Ġt he"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
                  "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 QUANTIZED_LAYER = 1  # its 2-D weights are Q4_1; everything else is F32
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _vocabulary() -> list[str]:

@@ -30,7 +30,7 @@ from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, slots_of, tap_write
 from vllm_moa.models import MoADrafter
 from vllm_moa.target import TargetModel, stack_layer_kv
 
-DEMO = Path(__file__).resolve().parents[2] / "vllm_moa" / "assets" / "demo"
+DEMO = Path(__file__).resolve().parents[3] / "vllm_moa" / "assets" / "demo"
 
 
 # -- target signature from files --------------------------------------------------------------
