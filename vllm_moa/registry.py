@@ -24,7 +24,7 @@ A kind declares everything the rest of the package dispatches on:
 This module is the bottom of the package: it imports none of it, so every layer can dispatch on
 kinds without importing the layer that composes them (vllm_moa/kinds/, at the top). Kinds are
 filled in by registration: the entry point group `vllm_moa.drafter_kinds` of the installed
-distributions (setup.py names the built-in ones) is loaded on the first lookup, the way vLLM loads
+distributions (pyproject.toml names the built-in ones) is loaded on the first lookup, the way vLLM loads
 its plugins, so another package can add a kind without touching this one; `register` also takes
 a kind directly (tests, notebooks).
 """

@@ -1,6 +1,6 @@
 """Drafter kinds, one module each, the layer that composes models, decoding and serving into a
 kind (docs/drafter-kinds.md). Each module registers its kind with vllm_moa/registry.py, which
-finds them through setup.py's entry point group `vllm_moa.drafter_kinds`; nothing below this
+finds them through pyproject.toml's entry point group `vllm_moa.drafter_kinds`; nothing below this
 layer imports it. Importing this package registers every built-in kind and re-exports the
 registry's functions."""
 
