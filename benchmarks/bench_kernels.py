@@ -84,9 +84,10 @@ def bench_lsa(kernels, device, dtype, shapes, token_counts, smoke):
     import torch
     import torch.nn.functional as F
 
-    from vllm_moa.config import MoAConfig, TargetSignature
+    from vllm_moa.config import TargetSignature
     from vllm_moa.kernels import lsa as lsa_mod
-    from vllm_moa.models.moa import LayerSelfAttention
+    from vllm_moa.kinds.moa import MoAConfig
+    from vllm_moa.kinds.moa.model import LayerSelfAttention
 
     rows_out = []
     elem = torch.tensor([], dtype=dtype).element_size()

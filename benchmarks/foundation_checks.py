@@ -21,8 +21,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from vllm_moa.config import MoAConfig
-from vllm_moa.models import MoADrafter, TrainingBatchView
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+from vllm_moa.models import TrainingBatchView
 from vllm_moa.models.masks import anchor_flags, last_anchor
 from vllm_moa.recipes.stdlib_demo import stdlib_files, train_tokenizer
 from vllm_moa.target import TargetModel

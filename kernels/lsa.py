@@ -1,6 +1,6 @@
 """Layer Self-Attention (LSA) straight from the target's paged per-layer KV caches.
 
-The maths (``vllm_moa.models.moa.LayerSelfAttention.forward``), for one token with rows
+The maths (``vllm_moa.kinds.moa.model.LayerSelfAttention.forward``), for one token with rows
 ``x_l`` (l = 0..L-1, width W = 2 * H_kv * d, see kernels/paged.py for the row layout), LSA heads
 ``H`` of size ``e = W / H`` and RoPE at the layer index ``l``::
 
@@ -252,7 +252,7 @@ def lsa_rows_from_paged(lsa: nn.Module, caches: Sequence[Tensor] | Tensor, slots
                         layout: Layout = "flash_attn", chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """Ekv2E rows of token `slots`, read straight from the target's paged per-layer caches.
 
-    lsa:    a ``vllm_moa.models.moa.LayerSelfAttention`` (duck-typed: input_norm, attn.{q,k,v,o}_proj,
+    lsa:    a ``vllm_moa.kinds.moa.model.LayerSelfAttention`` (duck-typed: input_norm, attn.{q,k,v,o}_proj,
             rotary.inv_freq, num_heads, post_norm, mlp, ekv2e); its dtype must be the caches' dtype
     caches: L per-layer caches in `layout` (kernels/paged.py) or one stacked [L, ...] tensor
     slots:  [N] int slots (block * block_size + offset), any blocks, any order

@@ -8,9 +8,10 @@ import threading
 
 import torch
 
-from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.kinds import ModelFreeDrafter
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig
+from vllm_moa.kinds.independent import IndependentDrafter, IndependentDrafterConfig
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.serving.backend import TransformersBackend
 from vllm_moa.serving.protocol import ServerLimits
 from vllm_moa.serving.server import ServerThread, create_app

@@ -15,7 +15,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession
+from vllm_moa.kinds.eagle import EagleSession
+from vllm_moa.kinds.independent import IndependentSession
+from vllm_moa.kinds.moa import MoASession
 from vllm_moa.target import TargetModel
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

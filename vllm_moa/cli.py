@@ -172,9 +172,9 @@ def train(
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
+    from vllm_moa.recipes.sources import DataSpec, build_examples
     from vllm_moa.target import TargetModel, UnsupportedTargetError
     from vllm_moa.training.data import DatasetError
-    from vllm_moa.training.sources import DataSpec, build_examples
     from vllm_moa.training.trainer import CheckpointError, Trainer, resolve_device
 
     try:

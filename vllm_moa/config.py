@@ -123,7 +123,7 @@ class Option:
                                      f"{err.errors()[0]['msg']}") from None
 
 
-def _decoder_options(heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict[str, Option]:
+def decoder_options(heads: int, kv_heads: int, head_dim: int, intermediate: int) -> dict[str, Option]:
     """The options of one Llama-style decoder block (EAGLE-style and independent drafters)."""
     return {
         "num_heads": Option(int, heads, "attention heads"),
@@ -240,94 +240,19 @@ def _read_config_json(directory: str | Path) -> tuple[Path, Any]:
         raise DrafterConfigError(f"{path}: not valid JSON ({err})") from None
 
 
-def _positive(config: PretrainedConfig, source: str, *keys: str) -> None:
+def check_positive(config: PretrainedConfig, source: str, *keys: str) -> None:
     for key in keys:
         value = getattr(config, key)
         if value <= 0:
             raise DrafterConfigError(f"{source}: key {key!r} must be > 0, got {value}")
 
 
-def _divisible(config: PretrainedConfig, source: str, heads_key: str, kv_heads_key: str) -> None:
+def check_divisible(config: PretrainedConfig, source: str, heads_key: str, kv_heads_key: str) -> None:
     heads, kv_heads = getattr(config, heads_key), getattr(config, kv_heads_key)
     if heads % kv_heads:
         raise DrafterConfigError(
             f"{source}: key {heads_key!r}={heads} must be a multiple of {kv_heads_key!r}={kv_heads}"
         )
-
-
-class MoAConfig(DrafterConfigBase):
-    """The MoA drafter: LSA over the target's layer axis -> Ekv2E rows -> SA -> CA -> TLI.
-
-    LSA runs at width `2 * Ekv` (the per-token concatenation of one layer's K and V);
-    `lsa_num_heads` must divide it. SA and CA run at the target's hidden size `E`.
-    """
-
-    model_type = "moa_drafter"
-    OPTIONS: ClassVar[dict[str, Option]] = {
-        "tli": Option(int, 0, "target layer inference: the target's last N layers run on the drafter's output"),
-        "lsa_num_heads": Option(int, 4, "LSA heads (divide the LSA width 2*Ekv into even-sized heads)"),
-        "lsa_intermediate_size": Option(int, 256, "LSA SwiGLU hidden size"),
-        "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions are layer indices)"),
-        "sa_num_heads": Option(int, 4, "self-attention heads"),
-        "sa_num_kv_heads": Option(int, 2, "self-attention key/value heads (divides sa_num_heads)"),
-        "sa_head_dim": Option(int, 16, "self-attention head size (even)"),
-        "sa_intermediate_size": Option(int, 256, "self-attention block's SwiGLU hidden size"),
-        "ca_num_heads": Option(int, 4, "cross-attention heads"),
-        "ca_num_kv_heads": Option(int, 2, "cross-attention key/value heads (divides ca_num_heads)"),
-        "ca_head_dim": Option(int, 16, "cross-attention head size (even)"),
-        "ca_intermediate_size": Option(int, 256, "cross-attention block's SwiGLU hidden size"),
-        "rope_theta": Option(float, 10000.0, "rotary base of SA and CA (token positions)"),
-        "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
-    }
-
-    def check_values(self, source: str = "config") -> None:
-        sig = self.target_signature
-        _positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
-                  "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
-                  "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")
-        if not 0 <= self.tli <= sig.num_layers:
-            raise DrafterConfigError(
-                f"{source}: key 'tli' must be in 0..{sig.num_layers} (target layers), got {self.tli}"
-            )
-        lsa_width = 2 * sig.kv_width
-        if lsa_width % self.lsa_num_heads or (lsa_width // self.lsa_num_heads) % 2:
-            raise DrafterConfigError(
-                f"{source}: key 'lsa_num_heads'={self.lsa_num_heads} must divide the LSA width "
-                f"2*Ekv={lsa_width} into heads of even size"
-            )
-        _divisible(self, source, "sa_num_heads", "sa_num_kv_heads")
-        _divisible(self, source, "ca_num_heads", "ca_num_kv_heads")
-        for key in ("sa_head_dim", "ca_head_dim"):
-            if getattr(self, key) % 2:
-                raise DrafterConfigError(f"{source}: key {key!r} must be even (rotary embedding)")
-
-
-class EagleDrafterConfig(DrafterConfigBase):
-    """EAGLE-style baseline: one decoder layer over fc([token embedding; target last hidden])."""
-
-    model_type = "moa_eagle_drafter"
-    OPTIONS: ClassVar[dict[str, Option]] = _decoder_options(heads=4, kv_heads=2, head_dim=16, intermediate=256)
-
-    def check_values(self, source: str = "config") -> None:
-        _positive(self, source, "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-        _divisible(self, source, "num_heads", "num_kv_heads")
-
-
-class IndependentDrafterConfig(DrafterConfigBase):
-    """Independent small LM on the target's tokenizer (own embedding, own LM head)."""
-
-    model_type = "moa_independent_drafter"
-    SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = False  # it has its own LM head: shrink that instead
-    OPTIONS: ClassVar[dict[str, Option]] = {
-        "hidden_size": Option(int, 64, "model width"),
-        "num_layers": Option(int, 2, "decoder layers"),
-        **_decoder_options(heads=4, kv_heads=2, head_dim=16, intermediate=256),
-    }
-
-    def check_values(self, source: str = "config") -> None:
-        _positive(self, source, "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "intermediate_size")
-        _divisible(self, source, "num_heads", "num_kv_heads")
 
 
 def read_drafter_config(directory: str | Path) -> DrafterConfigBase:

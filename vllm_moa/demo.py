@@ -55,7 +55,7 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
     from vllm_moa.decoding.chain import plain_greedy_generate
     from vllm_moa.decoding.engine import SpeculativeEngine
     from vllm_moa.decoding.tree import DEFAULT_TREE
-    from vllm_moa.models import MoADrafter
+    from vllm_moa.kinds.moa import MoADrafter
     from vllm_moa.target import TargetModel
     from vllm_moa.training.data import encode_prompt
 

@@ -1,15 +1,16 @@
-"""The drafter-kind registry: one `DrafterKind` per kind, registered once by its own module in
-vllm_moa/kinds/ (moa.py, eagle.py, independent.py, ngram.py, none.py).
+"""The drafter-kind registry: one `DrafterKind` per kind, registered once by its own folder in
+vllm_moa/kinds/ (moa/, eagle/, independent/, ngram/, none/: config, model, sessions, sync).
 
 A kind declares everything the rest of the package dispatches on:
 
     name              what users and the wire protocol call it ("moa", "ngram", ...)
-    drafter_class     the object a user holds: an nn.Module drafter (models/) or a ModelFreeDrafter
-    config_class      its config.json schema (config.py); None: nothing to load or train
+    drafter_class     the object a user holds: an nn.Module drafter (models/base.Drafter) or a
+                      ModelFreeDrafter
+    config_class      its config.json schema (a config.DrafterConfigBase); None: nothing to load or train
     runtime_session   (drafter, target) -> DraftSession, the runtime's drafter (decoding/drafters.py);
                       None: plain decoding
-    client_session    (drafter, target | None) -> the client-side session (serving/local.py);
-                      None: the client calls the server's plain generation instead
+    client_session    (drafter, target | None) -> the client-side session (a serving/local.py
+                      LocalDrafting); None: the client calls the server's plain generation instead
     server_sync       fills the SyncPayload the server sends after each verification from the
                       target's output (serving/backend.py); None: the client needs nothing back
     client_needs_target  the client-side session reads the target's embedding / LM head
@@ -20,6 +21,7 @@ A kind declares everything the rest of the package dispatches on:
     prepare_training  (drafter, TrainConfig) -> None, after a fresh drafter is built (EAGLE: rollout)
     evaluation_options  depth -> keyword arguments of training_forward when agreement at that depth
                       is measured (EAGLE: as many feature-autoregression passes as it drafts)
+    display_name      how messages to users name it ("MoA"; default: the name)
 
 This module is the bottom of the package: it imports none of it, so every layer can dispatch on
 kinds without importing the layer that composes them (vllm_moa/kinds/, at the top). Kinds are
@@ -73,6 +75,11 @@ class DrafterKind:
     training_options: Callable[[Any], dict[str, Any]] = _no_options
     prepare_training: Callable[[Any, Any], None] = _nothing
     evaluation_options: Callable[[int], dict[str, Any]] = _no_options
+    display_name: str | None = None  # in messages to users (default: the name)
+
+    @property
+    def label(self) -> str:
+        return self.display_name or self.name
 
     @property
     def trainable(self) -> bool:

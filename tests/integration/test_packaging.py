@@ -16,7 +16,7 @@ def test_wheel_layout_and_requirements(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names}
     assert not {"kernels", "tests", "benchmarks"} & top_level, sorted(top_level)
-    assert "vllm_moa/models/moa.py" in names
+    assert "vllm_moa/kinds/moa/model.py" in names
     if (ROOT / "kernels" / "__init__.py").exists():
         assert "vllm_moa/kernels/__init__.py" in names
     for shipped in (ROOT / "vllm_moa" / "assets").rglob("*"):

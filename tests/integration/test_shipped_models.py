@@ -13,7 +13,10 @@ from vllm_moa.config import DrafterTargetMismatch
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter, load_drafter
+from vllm_moa.kinds.eagle import EagleDrafter
+from vllm_moa.kinds.independent import IndependentDrafter
+from vllm_moa.kinds.moa import MoADrafter
+from vllm_moa.models import load_drafter
 from vllm_moa.shipped import SHIPPED
 from vllm_moa.target import TargetModel
 

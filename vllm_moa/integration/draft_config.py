@@ -9,13 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_moa.config import (
-    DrafterConfigError,
-    MoAConfig,
-    read_drafter_config,
-)
+from vllm_moa.config import DrafterConfigError, read_drafter_config
 from vllm_moa.integration import compat
 from vllm_moa.integration.signature import signature_from_hf_config
+from vllm_moa.kinds.moa import MoAConfig
 
 # The drafter keeps no position table (RoPE), so its own length limit never binds; vLLM takes
 # min(this, the target's max_model_len).

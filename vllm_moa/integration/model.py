@@ -1,6 +1,6 @@
 """The MoA drafter as a vLLM model (architecture "MoADraftModel", registered by the plugin).
 
-Same maths as `vllm_moa.models.moa.MoADrafter` (any TLI), laid out for vLLM's paged caches:
+Same maths as `vllm_moa.kinds.moa.model.MoADrafter` (any TLI), laid out for vLLM's paged caches:
 
     tap (MoAProposer, once per step, outside CUDA graphs):
         target per-layer paged KV of the step's verified tokens --LSA (vllm_moa.kernels: Triton
@@ -19,7 +19,7 @@ management (prefix caching, preemption, chunked prefill) keeps them together.
 
 SA and CA are built from vLLM layers (QKV/merged/row-parallel linears, RMSNorm, get_rope,
 Attention), so vLLM owns their KV blocks (in the target's block tables), their attention
-backend and their compilation. LSA is `vllm_moa.models.moa.LayerSelfAttention`, the module
+backend and their compilation. LSA is `vllm_moa.kinds.moa.model.LayerSelfAttention`, the module
 whose weights the LSA kernel reads.
 """
 
@@ -46,15 +46,16 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
-from vllm_moa.config import DrafterConfigError, MoAConfig
+from vllm_moa.config import DrafterConfigError
 from vllm_moa.kernels import lsa_attention
 from vllm_moa.kernels.paged import gather_slots, split_kv_cache
 from vllm_moa.kernels.paged import slot_mapping as paged_slots
-from vllm_moa.models.moa import LayerSelfAttention
+from vllm_moa.kinds.moa import MoAConfig
+from vllm_moa.kinds.moa.model import LayerSelfAttention
 
 AttentionFactory = Callable[..., nn.Module]
 
-# checkpoint name (vllm_moa.models.moa.MoADrafter) -> (parameter name here, shard id or None)
+# checkpoint name (vllm_moa.kinds.moa.model.MoADrafter) -> (parameter name here, shard id or None)
 _STACKED = {
     "sa.attn.q_proj": ("model.sa.qkv_proj", "q"),
     "sa.attn.k_proj": ("model.sa.qkv_proj", "k"),

@@ -4,7 +4,7 @@
   verified with the runtime's own primitives (decoding/tree.verification_inputs, verify.py
   greedy_accept / sampled_accept, SlotKVCache.commit), so the server accepts exactly what the local
   engine would. For MoA clients it holds the drafter's LSA/Ekv2E weights only to turn the target's
-  per-layer K/V of newly verified tokens into Ekv2E rows (`MoADrafter.rows_from_kv`): one E-wide
+  per-layer K/V of newly verified tokens into Ekv2E rows (the MoA model's `rows_from_kv`): one E-wide
   row per token instead of 2*L*Ekv raw K/V values.
 * `VLLMBackend`: declared, not available yet (needs the vLLM plugin to expose per-request tree
   verification and per-layer K/V of accepted tokens); refuses with a clear error.
@@ -32,7 +32,7 @@ from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.models import Drafter, MoADrafter
+from vllm_moa.models import Drafter
 from vllm_moa.registry import DrafterKind
 from vllm_moa.serving.protocol import (
     DrafterInfo,
@@ -86,7 +86,7 @@ class BackendSession:
     encoding: str
     sampling: SamplingParams | None
     generator: torch.Generator | None
-    drafter: MoADrafter | None = None
+    drafter: Drafter | None = None  # the server's copy of the LSA weights, for kinds that declare LSA
     cache: SlotKVCache | None = None
     last_request: tuple | None = None
     last_response: VerifyResponse | None = None
@@ -137,16 +137,17 @@ class TransformersBackend(TargetBackend):
         # would (its cost then barely depends on how many tokens it verifies)
         self.min_forward_s = max(0.0, min_forward_ms) / 1e3
         self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, generates
-        self._served: list[tuple[DrafterInfo, MoADrafter | None]] = []
+        # kinds that declare LSA weights (MoA) sync through the server's own copy of those weights
+        self._served: list[tuple[DrafterInfo, Drafter | None]] = []
         for name, drafter in (drafters or {}).items():
             drafter.config.target_signature.check_compatible(target.signature)
-            kind = kinds.kind_of(drafter).name
-            if isinstance(drafter, MoADrafter):
+            kind = kinds.kind_of(drafter)
+            if kind.declares_lsa:
                 drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
-                info = DrafterInfo(name=name, kind="moa", tli=drafter.tli, lsa_fingerprint=drafter.lsa_fingerprint())
+                info = DrafterInfo(name=name, kind=kind.name, tli=drafter.tli, lsa_fingerprint=drafter.lsa_fingerprint())
                 self._served.append((info, drafter))
             else:
-                self._served.append((DrafterInfo(name=name, kind=kind), None))
+                self._served.append((DrafterInfo(name=name, kind=kind.name), None))
         config = getattr(target.hf_model, "config", None)
         self._context = getattr(config, "max_position_embeddings", None)
 
@@ -192,8 +193,8 @@ class TransformersBackend(TargetBackend):
             except DrafterTargetMismatch as err:
                 raise Conflict(f"the client's drafter does not match this server's target: {err}") from None
         served = None
-        if decl.kind == "moa":
-            served = self._find_moa(decl.lsa_fingerprint, decl.tli)
+        if kinds.get(decl.kind).declares_lsa:
+            served = self._find_served(decl.kind, decl.lsa_fingerprint, decl.tli)
         sampling = _sampling(request.sampling)
         generator = None
         if sampling is not None:
@@ -308,13 +309,14 @@ class TransformersBackend(TargetBackend):
         if bad is not None:
             raise BackendError(f"{what} has token id {bad} outside the target's vocabulary [0, {vocab})")
 
-    def _find_moa(self, fingerprint: str | None, tli: int) -> MoADrafter:
+    def _find_served(self, kind: str, fingerprint: str | None, tli: int) -> Drafter:
         for info, module in self._served:
-            if info.kind == "moa" and info.lsa_fingerprint == fingerprint and info.tli == tli:
+            if info.kind == kind and info.lsa_fingerprint == fingerprint and info.tli == tli:
                 return module
-        held = ", ".join(f"{i.name} (tli={i.tli}, lsa {i.lsa_fingerprint})" for i, _ in self._served if i.kind == "moa")
-        raise Conflict(f"this server holds no MoA drafter with LSA weights {fingerprint} and TLI={tli} "
-                       f"(it serves: {held or 'no MoA drafter'}); start the server with your drafter (--drafter)")
+        label = kinds.get(kind).label
+        held = ", ".join(f"{i.name} (tli={i.tli}, lsa {i.lsa_fingerprint})" for i, _ in self._served if i.kind == kind)
+        raise Conflict(f"this server holds no {label} drafter with LSA weights {fingerprint} and TLI={tli} "
+                       f"(it serves: {held or f'no {label} drafter'}); start the server with your drafter (--drafter)")
 
     def _forward(self, cache: SlotKVCache, tree: DraftTree) -> TargetOutput:
         """One target forward over the tree's nodes after the cache: logits [1, N, V], per-layer K/V."""

@@ -1,5 +1,6 @@
-"""The client's drafter: the runtime's drafting sessions (decoding/drafters.py), fed by server
-payloads instead of a local target forward, plus what a client needs beyond the runtime:
+"""The client's drafter: the runtime's drafting sessions (each kind's session.py), fed by server
+payloads instead of a local target forward, plus what a client needs beyond the runtime
+(`LocalDrafting`, the base of each kind's client.py):
 
     start(prompt, sync)         the server prefilled the prompt; `sync` is the drafter's view of it
     propose(pending, spec)      a chain or tree from the verified state (the runtime's proposal loop)
@@ -26,13 +27,11 @@ from torch import Tensor
 
 from vllm_moa import registry as kinds
 from vllm_moa.config import TargetSignature
-from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession, NgramSession
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
 from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.payload import PayloadError, decode
-from vllm_moa.serving.protocol import DrafterDecl, SyncPayload
+from vllm_moa.serving.protocol import SyncPayload
 from vllm_moa.target import TargetModel
 
 
@@ -73,7 +72,7 @@ def decode_sync(sync: SyncPayload, dtype: torch.dtype, device: torch.device,
     return out
 
 
-class _Local:
+class LocalDrafting:
     """Shared offline drafting: `_chain_logits(tokens)` feeds tokens after what is fed so far and
     returns the next-token logits [V] after the last of them."""
 
@@ -118,157 +117,7 @@ class _Local:
         raise NotImplementedError
 
 
-class LocalMoA(MoASession, _Local):
-    kind = "moa"
-
-    def __init__(self, drafter: MoADrafter, target: TargetModel) -> None:
-        super().__init__(drafter, target)
-        self._init_local()
-        self.fingerprint = drafter.lsa_fingerprint()
-
-    def declaration(self) -> DrafterDecl:
-        return DrafterDecl(kind="moa", target=self.drafter.config.target_signature.to_dict(),
-                           lsa_fingerprint=self.fingerprint, tli=self.drafter.tli)
-
-    def _check(self, sync: SyncTensors) -> None:
-        if sync.rows is None or (self.drafter.tli > 0 and sync.tli_keys is None):
-            raise PayloadError("the server sent no MoA rows (or no TLI K/V) for verified tokens")
-        if len(sync.tli_keys or []) != self.drafter.tli:
-            raise PayloadError(f"the server sent K/V of {len(sync.tli_keys or [])} target layers; the drafter runs "
-                               f"the last {self.drafter.tli}")
-
-    def _extend(self, sync: SyncTensors) -> None:
-        if sync.count == 0:
-            return
-        self._check(sync)
-        self.drafter.extend_rows(self.state, sync.rows, sync.tli_keys or [], sync.tli_values or [])
-        self.verified = self.state.num_verified
-
-    def start(self, prompt: list[int], sync: SyncTensors) -> None:
-        self._extend(sync)
-        self.drafter.feed(self.state, torch.tensor([prompt], device=self.device), self.target)
-
-    def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        self._check(sync)
-        self.accept_rows(tree, path, sync.rows, sync.tli_keys or [], sync.tli_values or [])
-        self.verified = self.state.num_verified
-        self.fed = []
-
-    def rollback(self) -> None:
-        self.drafter.rollback(self.state, self.state.num_verified)
-        self.fed = []
-
-    def _chain_logits(self, tokens: list[int]) -> Tensor:
-        ids = torch.tensor([tokens], device=self.device)
-        return self.drafter.draft_step(self.state, ids, self.target)[0, -1]  # chain at the next SA positions
-
-
-class LocalEagle(EagleSession, _Local):
-    kind = "eagle"
-
-    def __init__(self, drafter: EagleDrafter, target: TargetModel) -> None:
-        super().__init__(drafter, target)
-        self._init_local()
-        self._predicted: Tensor | None = None  # feature predicted at the last fed chain token
-
-    def declaration(self) -> DrafterDecl:
-        return DrafterDecl(kind="eagle", target=self.drafter.config.target_signature.to_dict())
-
-    def _hidden(self, sync: SyncTensors) -> Tensor:
-        if sync.hidden is None:
-            raise PayloadError("the server sent no hidden states for verified tokens")
-        return sync.hidden
-
-    def start(self, prompt: list[int], sync: SyncTensors) -> None:
-        hidden = self._hidden(sync)
-        self.last_feature = torch.zeros_like(hidden[:, :1])
-        self._feed_verified(torch.tensor([prompt], device=self.device), hidden)
-        self.verified = self.cache.length
-
-    def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        self.cache.crop(self.base)
-        self._feed_verified(tree.tokens[path][None].to(self.device), self._hidden(sync))
-        self.verified = self.cache.length
-        self.fed = []
-
-    def rollback(self) -> None:
-        self.cache.crop(self.verified)
-        self.fed = []
-
-    def _chain_logits(self, tokens: list[int]) -> Tensor:
-        for token in tokens:  # feature-autoregressive: one token at a time
-            feature_in = self.last_feature if self.cache.length == self.verified else self._predicted
-            self._predicted = self._run(torch.tensor([[token]], device=self.device), feature_in)  # [1, 1, E]
-        return self.drafter.draft_logits(self._predicted, self.target)[0, -1]
-
-
-class LocalIndependent(IndependentSession, _Local):
-    kind = "independent"
-
-    def __init__(self, drafter: IndependentDrafter) -> None:
-        super().__init__(drafter)
-        self._init_local()
-
-    def declaration(self) -> DrafterDecl:
-        return DrafterDecl(kind="independent", target=self.drafter.config.target_signature.to_dict())
-
-    def start(self, prompt: list[int], sync: SyncTensors) -> None:
-        self.drafter(torch.tensor([prompt], device=self.device), self.caches)
-        self.verified = self.caches[0].length
-
-    def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        super().accept(tree, path, None)  # needs nothing from the target
-        self.verified = self.caches[0].length
-        self.fed = []
-
-    def rollback(self) -> None:
-        for cache in self.caches:
-            cache.crop(self.verified)
-        self.fed = []
-
-    def _chain_logits(self, tokens: list[int]) -> Tensor:
-        return self.drafter(torch.tensor([tokens], device=self.device), self.caches)[0, -1]
-
-
-class LocalNgram(NgramSession, _Local):
-    kind = "ngram"
-    device = torch.device("cpu")
-
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
-        super().__init__(max_ngram, min_ngram)
-        self._init_local()
-
-    def declaration(self) -> DrafterDecl:
-        return DrafterDecl(kind="ngram")
-
-    def start(self, prompt: list[int], sync: SyncTensors) -> None:
-        self.history = list(prompt)
-
-    def accept(self, tree: DraftTree, path: list[int], sync: SyncTensors) -> None:
-        super().accept(tree, path, None)
-
-    def _begin(self) -> None:
-        pass
-
-    def rollback(self) -> None:
-        self.fed = []
-
-    def draft_ahead(self, chain: list[int], n: int, sampling: SamplingParams | None = None,
-                    generator: torch.Generator | None = None, stop_token: int | None = None) -> list[int]:
-        """What followed the latest match of the chain's suffix (nothing when there is none)."""
-        history = self.history
-        self.history = history + chain[:-1]
-        try:
-            found = self.continuations(chain[-1], n, 1)
-        finally:
-            self.history = history
-        out = found[0] if found else []
-        if stop_token is not None and stop_token in out:
-            out = out[: out.index(stop_token) + 1]
-        return out
-
-
-LocalSession = LocalMoA | LocalEagle | LocalIndependent | LocalNgram
+LocalSession = LocalDrafting  # each kind's client session (vllm_moa/kinds/<kind>/client.py) is one
 
 
 def open_local(drafter: DrafterArg, target: TargetModel | None) -> LocalSession:

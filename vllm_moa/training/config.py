@@ -70,6 +70,8 @@ class TrainConfig(BaseModel):
     def _check(self) -> TrainConfig:
         if self.anchor_min > self.anchor_max:
             raise ValueError(f"anchor_min ({self.anchor_min}) must be <= anchor_max ({self.anchor_max})")
-        if self.drafter != "moa" and self.tli:
-            raise ValueError("tli applies to the moa drafter only")
+        if self.tli and "tli" not in kinds.get(self.drafter).config_class.OPTIONS:
+            with_tli = kinds.names(lambda kind: kind.trainable and "tli" in kind.config_class.OPTIONS)
+            raise ValueError(f"tli applies to drafters whose config declares it ({', '.join(with_tli)}), "
+                             f"not {self.drafter}")
         return self

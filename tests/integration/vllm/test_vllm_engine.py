@@ -97,8 +97,7 @@ def vocab_drafter() -> str:
 
     import torch
 
-    from vllm_moa.config import MoAConfig
-    from vllm_moa.models import MoADrafter
+    from vllm_moa.kinds.moa import MoAConfig, MoADrafter
     from vllm_moa.models.base import load_drafter
     from vllm_moa.target import TargetModel
 
@@ -303,7 +302,8 @@ def test_vllm_serve_refuses_a_bad_drafter_and_exits():
 def test_training_data_regenerated_by_vllm_equals_transformers_greedy():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_moa.training.data import regenerate_responses, regenerate_responses_vllm
+    from vllm_moa.recipes.sources import regenerate_responses_vllm
+    from vllm_moa.training.data import regenerate_responses
 
     batch = prompts()[:4]
     by_vllm = regenerate_responses_vllm(TARGET, batch, 24, temperatures=(0.0, 0.8), seed=0)

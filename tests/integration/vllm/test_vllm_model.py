@@ -6,7 +6,7 @@ fp32 with the kernels' PyTorch twins for LSA and a PyTorch twin of vLLM's paged 
 (tap.tap_write_slots -> MoADraftModel.write_rows), a first pass over [accepted tokens, the token
 the target just sampled, rejected drafts padded with slot -1], then K - 1 single-token steps;
 CA always sees the R verified rows (tap.row_seq_lens; non-causal first pass). The reference is
-vllm_moa.models.moa.MoADrafter's incremental drafting on one sequence at a time.
+vllm_moa.kinds.moa.model.MoADrafter's incremental drafting on one sequence at a time.
 
 Batches mix requests of different lengths with scattered blocks; rounds reject 0..K drafts;
 one request resumes from a prefix-cache hit, one is prefilled in two chunks.
@@ -31,11 +31,10 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
 
-from vllm_moa.config import MoAConfig  # noqa: E402
 from vllm_moa.integration.compat import packed_kv_layout  # noqa: E402
 from vllm_moa.integration.model import MoADraftModel  # noqa: E402
 from vllm_moa.integration.tap import row_seq_lens, slots_of, tap_write_slots  # noqa: E402
-from vllm_moa.models import MoADrafter  # noqa: E402
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter  # noqa: E402
 from vllm_moa.target import TargetKVCache, TargetModel  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -97,8 +97,7 @@ def tiny_models(root: str) -> tuple[str, str]:
     drafter for it (its top-3 of 4 tokens hold the target's token often, at any depth)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vllm_moa.config import MoAConfig
-    from vllm_moa.models import MoADrafter
+    from vllm_moa.kinds.moa import MoAConfig, MoADrafter
     from vllm_moa.target import TargetModel
 
     torch.manual_seed(0)

@@ -7,14 +7,11 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import make_target
 
-from vllm_moa.config import (
-    DrafterConfigError,
-    DrafterTargetMismatch,
-    EagleDrafterConfig,
-    IndependentDrafterConfig,
-    MoAConfig,
-)
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter, load_drafter
+from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig
+from vllm_moa.kinds.independent import IndependentDrafter, IndependentDrafterConfig
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+from vllm_moa.models import load_drafter
 
 
 @pytest.mark.parametrize("cls,config_cls", [(MoADrafter, MoAConfig), (EagleDrafter, EagleDrafterConfig),

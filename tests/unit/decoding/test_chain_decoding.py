@@ -4,9 +4,8 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
-from vllm_moa.models import MoADrafter
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 
 
 @pytest.mark.parametrize("family,tli,num_draft", [("llama", 0, 3), ("qwen2", 1, 4), ("llama", 2, 1)])

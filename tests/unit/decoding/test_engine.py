@@ -8,14 +8,14 @@ import pytest
 import torch
 from tiny_models import make_target, oracle_sessions
 
-from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.decoding.drafters import EagleSession, IndependentSession, MoASession
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, grow_tree
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig, EagleSession
+from vllm_moa.kinds.independent import IndependentDrafter, IndependentDrafterConfig, IndependentSession
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter, MoASession
 
 SPECS = {"chain": DraftSpec.chain(3), "tree": DraftSpec.tree(depth=3, top_k=3, budget=8)}
 KINDS = ["moa-tli0", "moa-tli1", "eagle", "independent", "ngram"]

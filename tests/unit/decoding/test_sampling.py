@@ -10,13 +10,12 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from tiny_models import make_target
 
-from vllm_moa.config import MoAConfig
 from vllm_moa.decoding.chain import plain_generate, speculative_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.decoding.verify import sampled_accept
-from vllm_moa.models import MoADrafter
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 
 VOCAB, NEW_TOKENS = 4, 3
 # Samples per engine case. 8,000 over the 64 sequences still rejects a sampler whose distribution

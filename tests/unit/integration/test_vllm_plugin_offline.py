@@ -17,7 +17,7 @@ import torch
 from tiny_models import make_hf_target
 from transformers import AutoConfig
 
-from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, MoAConfig
+from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
 from vllm_moa.integration import compat
 from vllm_moa.integration.draft_config import (
     MoAVllmConfig,
@@ -27,7 +27,7 @@ from vllm_moa.integration.draft_config import (
 )
 from vllm_moa.integration.signature import signature_from_hf_config
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, slots_of, tap_write_slots, verified_mask
-from vllm_moa.models import MoADrafter
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.target import TargetModel, stack_layer_kv
 
 DEMO = Path(__file__).resolve().parents[3] / "vllm_moa" / "assets" / "demo"

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from vllm_moa.config import MoAConfig, TargetSignature  # noqa: E402
+from vllm_moa.config import TargetSignature  # noqa: E402
 from vllm_moa.kernels import (  # noqa: E402
     PagedLayers,
     gather_layer_rows,
@@ -32,7 +32,8 @@ from vllm_moa.kernels.lsa import (  # noqa: E402
     lsa_qkv_paged,
     lsa_qkv_reference,
 )
-from vllm_moa.models.moa import LayerSelfAttention  # noqa: E402
+from vllm_moa.kinds.moa import MoAConfig  # noqa: E402
+from vllm_moa.kinds.moa.model import LayerSelfAttention  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 BLOCK_SIZE = 16
@@ -109,7 +110,7 @@ def test_layer_attention_kernel_matches_twin(num_layers, width, heads, dtype, de
 
 
 # ---------------------------------------------------------------------------------------------
-# the whole LSA against vllm_moa.models.moa.LayerSelfAttention
+# the whole LSA against vllm_moa.kinds.moa.model.LayerSelfAttention
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_layers, num_kv_heads, head_dim, lsa_heads", [

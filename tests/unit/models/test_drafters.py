@@ -4,11 +4,12 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from vllm_moa.config import EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
-from vllm_moa.decoding.drafters import NgramSession
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.models import EagleDrafter, IndependentDrafter, MoADrafter
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig
+from vllm_moa.kinds.independent import IndependentDrafter, IndependentDrafterConfig
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+from vllm_moa.kinds.ngram import NgramSession
 
 
 def _drafter(kind, target):
@@ -39,7 +40,7 @@ def test_greedy_exactness_for_every_drafter(kind, family):
 def test_eagle_session_matches_its_training_forward_with_exact_rollout():
     """EAGLE's drafts from a verified prefix equal the argmax of its training forward unrolled
     over its own features (the same computation, two code paths)."""
-    from vllm_moa.decoding.drafters import EagleSession
+    from vllm_moa.kinds.eagle import EagleSession
     from vllm_moa.models import TrainingBatchView
     from vllm_moa.models.masks import last_anchor
 

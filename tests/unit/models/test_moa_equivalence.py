@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from vllm_moa.config import MoAConfig
-from vllm_moa.models import MoADrafter, TrainingBatchView
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+from vllm_moa.models import TrainingBatchView
 from vllm_moa.models.masks import anchor_flags, last_anchor
 
 TOL = 1e-4

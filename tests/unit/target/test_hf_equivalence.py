@@ -11,12 +11,12 @@ import torch
 from tiny_models import make_hf_target, oracle_sessions
 from transformers import GenerationConfig
 
-from vllm_moa.config import EagleDrafterConfig, MoAConfig
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.models import EagleDrafter, MoADrafter
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.target import TargetModel
 
 NEW_TOKENS = 24

@@ -7,11 +7,13 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from vllm_moa.config import DrafterConfigError, EagleDrafterConfig, IndependentDrafterConfig, MoAConfig
+from vllm_moa.config import DrafterConfigError
 from vllm_moa.decoding.chain import plain_greedy_generate, speculative_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.tree import DraftSpec
-from vllm_moa.models import EagleDrafter, MoADrafter
+from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig
+from vllm_moa.kinds.independent import IndependentDrafterConfig
+from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.models.base import load_drafter
 from vllm_moa.recipes.smollm2 import draft_vocabulary
 from vllm_moa.target import stack_layer_kv

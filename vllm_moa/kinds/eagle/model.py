@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vllm_moa.config import EagleDrafterConfig
+from vllm_moa.kinds.eagle.config import EagleDrafterConfig
 from vllm_moa.layers import DecoderBlock
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
 from vllm_moa.models.masks import self_attention_mask

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_moa.config import IndependentDrafterConfig
+from vllm_moa.kinds.independent.config import IndependentDrafterConfig
 from vllm_moa.layers import DecoderBlock, KVCache, RMSNorm, causal_mask_after
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
 from vllm_moa.models.masks import self_attention_mask

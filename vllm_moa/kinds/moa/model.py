@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from vllm_moa.config import MoAConfig
+from vllm_moa.kinds.moa.config import MoAConfig
 from vllm_moa.layers import (
     AttentionProjections,
     DecoderBlock,

@@ -1,11 +1,16 @@
 """n-gram lookup (prompt lookup): proposes what followed earlier matches of the recent suffix. No
-weights: `NgramDrafter` carries its options only."""
+weights: `NgramDrafter` carries its options only.
+
+    session.py   NgramSession: drafting in the runtime
+    client.py    LocalNgram: drafting on a client (nothing to sync)
+
+and the one registration below."""
 
 from __future__ import annotations
 
-from vllm_moa.decoding.drafters import NgramSession
+from vllm_moa.kinds.ngram.client import LocalNgram
+from vllm_moa.kinds.ngram.session import NgramSession
 from vllm_moa.registry import DrafterKind, ModelFreeDrafter, register
-from vllm_moa.serving.local import LocalNgram
 
 
 class NgramDrafter(ModelFreeDrafter):
@@ -26,3 +31,5 @@ NGRAM = register(DrafterKind(
     client_session=lambda drafter, target: LocalNgram(drafter.max_ngram, drafter.min_ngram),
     declares_target=False,
 ))
+
+__all__ = ["NGRAM", "LocalNgram", "NgramDrafter", "NgramSession"]

@@ -1,16 +1,11 @@
-"""The MoA drafter (the method; docs/method.md): Layer Self-Attention over the target's per-layer
-K/V, cross- and self-attention, optionally the target's last TLI layers."""
+"""What the server sends a MoA client after verification (serving/protocol.py's SyncPayload)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from vllm_moa.config import MoAConfig
-from vllm_moa.decoding.drafters import MoASession
-from vllm_moa.models import MoADrafter
-from vllm_moa.registry import DrafterKind, register
-from vllm_moa.serving.local import LocalMoA
+from vllm_moa.kinds.moa.model import MoADrafter
 from vllm_moa.serving.payload import encode
 from vllm_moa.serving.protocol import SyncPayload
 from vllm_moa.target import TargetOutput
@@ -27,17 +22,3 @@ def server_sync(payload: SyncPayload, out: TargetOutput, index: Tensor, encoding
         first = len(keys) - served.tli
         payload.tli_keys = encode(torch.cat(keys[first:], dim=0), encoding)  # [tli, H_kv, n, d]
         payload.tli_values = encode(torch.cat(values[first:], dim=0), encoding)
-
-
-MOA = register(DrafterKind(
-    name="moa",
-    summary="Mixture of Attentions: LSA over the target's layers, cross- and self-attention",
-    drafter_class=MoADrafter,
-    config_class=MoAConfig,
-    runtime_session=MoASession,
-    client_session=LocalMoA,
-    server_sync=server_sync,
-    client_needs_target=True,
-    declares_lsa=True,
-    training_options=lambda config: {"tli": config.tli},
-))

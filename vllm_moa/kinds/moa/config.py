@@ -1,0 +1,54 @@
+"""The MoA drafter's configuration (config.json, model_type "moa_drafter")."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from vllm_moa.config import DrafterConfigBase, DrafterConfigError, Option, check_divisible, check_positive
+
+
+class MoAConfig(DrafterConfigBase):
+    """The MoA drafter: LSA over the target's layer axis -> Ekv2E rows -> SA -> CA -> TLI.
+
+    LSA runs at width `2 * Ekv` (the per-token concatenation of one layer's K and V);
+    `lsa_num_heads` must divide it. SA and CA run at the target's hidden size `E`.
+    """
+
+    model_type = "moa_drafter"
+    OPTIONS: ClassVar[dict[str, Option]] = {
+        "tli": Option(int, 0, "target layer inference: the target's last N layers run on the drafter's output"),
+        "lsa_num_heads": Option(int, 4, "LSA heads (divide the LSA width 2*Ekv into even-sized heads)"),
+        "lsa_intermediate_size": Option(int, 256, "LSA SwiGLU hidden size"),
+        "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions are layer indices)"),
+        "sa_num_heads": Option(int, 4, "self-attention heads"),
+        "sa_num_kv_heads": Option(int, 2, "self-attention key/value heads (divides sa_num_heads)"),
+        "sa_head_dim": Option(int, 16, "self-attention head size (even)"),
+        "sa_intermediate_size": Option(int, 256, "self-attention block's SwiGLU hidden size"),
+        "ca_num_heads": Option(int, 4, "cross-attention heads"),
+        "ca_num_kv_heads": Option(int, 2, "cross-attention key/value heads (divides ca_num_heads)"),
+        "ca_head_dim": Option(int, 16, "cross-attention head size (even)"),
+        "ca_intermediate_size": Option(int, 256, "cross-attention block's SwiGLU hidden size"),
+        "rope_theta": Option(float, 10000.0, "rotary base of SA and CA (token positions)"),
+        "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
+    }
+
+    def check_values(self, source: str = "config") -> None:
+        sig = self.target_signature
+        check_positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
+                  "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
+                  "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")
+        if not 0 <= self.tli <= sig.num_layers:
+            raise DrafterConfigError(
+                f"{source}: key 'tli' must be in 0..{sig.num_layers} (target layers), got {self.tli}"
+            )
+        lsa_width = 2 * sig.kv_width
+        if lsa_width % self.lsa_num_heads or (lsa_width // self.lsa_num_heads) % 2:
+            raise DrafterConfigError(
+                f"{source}: key 'lsa_num_heads'={self.lsa_num_heads} must divide the LSA width "
+                f"2*Ekv={lsa_width} into heads of even size"
+            )
+        check_divisible(self, source, "sa_num_heads", "sa_num_kv_heads")
+        check_divisible(self, source, "ca_num_heads", "ca_num_kv_heads")
+        for key in ("sa_head_dim", "ca_head_dim"):
+            if getattr(self, key) % 2:
+                raise DrafterConfigError(f"{source}: key {key!r} must be even (rotary embedding)")

@@ -1,0 +1,63 @@
+"""n-gram lookup's drafting session in the runtime (decoding/drafters.py's DraftSession)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
+from vllm_moa.target import TargetOutput
+
+
+class NgramSession:
+    """Prompt lookup: propose what followed earlier matches of the recent suffix (longest suffix
+    first, most recent match first). A chain takes the first match; a tree merges the continuations
+    of up to `top_k` distinct matches into a trie of at most `budget` nodes. No match: no draft."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.history: list[int] = []
+
+    def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
+        self.history = prompt[0].tolist()
+
+    def continuations(self, pending: int, length: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations (<= `length` tokens) of history + [pending]."""
+        tokens = self.history + [pending]
+        found: list[list[int]] = []
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    follow = tokens[start + n : start + n + length]
+                    if follow and not any(f[: len(follow)] == follow for f in found):
+                        found.append(follow)
+                        if len(found) == limit:
+                            return found
+        return found
+
+    def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree:
+        """Deterministic proposals (point masses when sampling)."""
+        device = "cpu"
+        limit = 1 if spec.is_chain else spec.top_k
+        tokens, parents, depths = [pending], [-1], [0]
+        trie: dict[tuple[int, int], int] = {}
+        for follow in self.continuations(pending, spec.depth, limit):
+            node = 0
+            for token in follow:
+                if (node, token) not in trie:
+                    if len(tokens) - 1 >= spec.max_nodes:
+                        break
+                    tokens.append(token)
+                    parents.append(node)
+                    depths.append(depths[node] + 1)
+                    trie[(node, token)] = len(tokens) - 1
+                node = trie[(node, token)]
+        return DraftTree(torch.tensor(tokens, device=device), parents, depths, [-1] * len(tokens))
+
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
+        self.history += tree.tokens[path].tolist()
