@@ -43,6 +43,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from benchmarks.provenance import provenance as common_provenance  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
+from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
@@ -84,7 +85,11 @@ def main() -> None:
     parser.add_argument("--chains", type=int, nargs="+", default=[3, 5, 7])
     parser.add_argument("--trees", type=tree_spec, nargs="+", default=[DEFAULT_TREE],
                         metavar="DEPTH,TOP_K,BUDGET")
-    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
+    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS),
+                        help="shipped drafter names, 'ngram', or 'hybrid:<name>': lookup merged into that drafter's "
+                             "trees (decoding/retrieval.py)")
+    parser.add_argument("--retrieval", type=Retrieval.model_validate_json, default=Retrieval(),
+                        help="options of the hybrid rows, as JSON (e.g. '{\"min_ngram\": 1}')")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--target", choices=["demo", "smollm2"], default="demo")
@@ -119,9 +124,11 @@ def main() -> None:
     configs = shapes(args.chains, args.trees)
     engines = {}
     for name in args.drafters:
-        drafter = "ngram" if name == "ngram" else load_drafter(drafters_dir / name, target).eval()
+        base = name.removeprefix("hybrid:")
+        drafter = "ngram" if base == "ngram" else load_drafter(drafters_dir / base, target).eval()
+        retrieval = args.retrieval if name.startswith("hybrid:") else None
         for shape_name, spec in configs.items():
-            engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec)
+            engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec, retrieval=retrieval)
     plain_greedy_generate(target, prompts[0], 16)  # warm-up
     for engine in engines.values():
         engine.generate([prompts[0]], 8)
@@ -168,6 +175,7 @@ def main() -> None:
         "benchmark": "runtime_cpu", "target": args.target,
         "prompts": source, "num_prompts": len(prompts), "prompt_tokens_max": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens, "batch": 1, "decoding": "greedy (outputs checked equal to plain)",
+        "retrieval_of_hybrid_rows": args.retrieval.model_dump(),
         "plain_tokens_per_s": round(plain_tok_s, 1),
         "timing": "each configuration's run follows a plain run on the same prompt; speedup = paired time ratio",
         "rows": rows,

@@ -55,6 +55,11 @@ class ModelSession:
         self._begin()
         return grow_tree(self._step, pending, spec, sampling, generator, self.device)
 
+    def skip_round(self) -> None:
+        """This round's draft comes from elsewhere (retrieval.HybridSession): nothing is fed, and
+        accept() then runs the drafter over the accepted tokens as over a round's unfed leaves."""
+        self._begin()
+
 
 def fed_prefix(tree: DraftTree, path: list[int]) -> list[int]:
     """Feed slots of the accepted nodes the drafter has already run (always a prefix of the path)."""

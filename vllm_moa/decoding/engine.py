@@ -24,6 +24,7 @@ from torch import Tensor
 from vllm_moa import registry as kinds
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.drafters import DraftSession
+from vllm_moa.decoding.retrieval import HybridSession, Retrieval, max_extra_nodes
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
@@ -105,13 +106,20 @@ class _Sequence:
 class SpeculativeEngine:
     """target + drafter (any kind's drafter object: a loaded drafter, NgramDrafter, NoDrafter for
     plain decoding through the same batched loop; None and "ngram" are accepted for the latter
-    two) + what to draft each round."""
+    two) + what to draft each round (+ `retrieval`: lookup merged into a model drafter's trees,
+    decoding/retrieval.py)."""
 
-    def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None) -> None:
+    def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None,
+                 retrieval: Retrieval | None = None) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.drafter = kinds.as_drafter(drafter)
-        self.drafts = kinds.kind_of(self.drafter).runtime_session is not None
+        kind = kinds.kind_of(self.drafter)
+        self.drafts = kind.runtime_session is not None
         self.spec = spec or DraftSpec.chain(4)
+        if retrieval is not None and kind.model_free:
+            raise ValueError(f"retrieval merges lookup into a model drafter's trees; a {kind.name} drafter has none "
+                             "(n-gram lookup alone is the 'ngram' drafter)")
+        self.retrieval = retrieval
         config = getattr(target.hf_model, "config", None)
         self.context_window: int | None = getattr(config, "max_position_embeddings", None)
 
@@ -136,8 +144,9 @@ class SpeculativeEngine:
             if len(prompt) + budget > self.context_window:
                 raise ValueError(f"max_tokens={budget} with a {len(prompt)}-token prompt exceeds the context "
                                  f"window ({self.context_window})")
-            if self.drafts and self.spec.max_nodes + 1 > self.context_window - len(prompt):
-                raise ValueError(f"tree budget {self.spec.max_nodes} (+1 root) is larger than the "
+            nodes = self.spec.max_nodes + max_extra_nodes(self.retrieval, self.spec)
+            if self.drafts and nodes + 1 > self.context_window - len(prompt):
+                raise ValueError(f"tree budget {nodes} (+1 root, retrieval's nodes included) is larger than the "
                                  f"{self.context_window - len(prompt)} positions the context window leaves "
                                  f"after prompt {i}")
         if stop:
@@ -183,7 +192,7 @@ class GenerationBatch:
         self._eos, self._stop, self._on_tokens = eos_token_id, list(stop or []), on_tokens
         self._started = time.perf_counter()
         self.sequences = [
-            _Sequence(i, list(p), budget, kinds.open_runtime_session(self.drafter, self.target),
+            _Sequence(i, list(p), budget, _open_session(self.drafter, self.target, engine.retrieval),
                       GenerationResult([]))
             for i, (p, budget) in enumerate(zip(prompts, budgets))
         ]
@@ -289,6 +298,11 @@ class GenerationBatch:
         longest = max(len(x) for x in self._stop)
         tail = self.tokenizer.decode(s.tokens[-(longest + 8) :])  # a token is at least a byte
         return any(x in tail for x in self._stop)
+
+
+def _open_session(drafter, target: TargetModel, retrieval: Retrieval | None) -> DraftSession | None:
+    session = kinds.open_runtime_session(drafter, target)
+    return session if retrieval is None or session is None else HybridSession(session, retrieval)
 
 
 def _rows(out: TargetOutput, row: int, nodes: list[int]) -> TargetOutput:

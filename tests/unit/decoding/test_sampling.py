@@ -12,6 +12,7 @@ from tiny_models import make_target
 
 from vllm_moa.decoding.chain import plain_generate, speculative_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.retrieval import Retrieval
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.decoding.verify import sampled_accept
@@ -46,20 +47,27 @@ def chi_square_p(counts, probs):
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-@pytest.mark.parametrize("drafter_kind,spec,sampling", [
-    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0)),
-    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95)),
-    ("ngram", DraftSpec.tree(depth=2, top_k=2, budget=3), SamplingParams(temperature=0.7, top_k=3, top_p=0.95)),
-], ids=["moa-chain", "moa-tree", "ngram-tree"])
+# hybrid: lookup merged into the MoA drafter's tree (decoding/retrieval.py); with min_ngram 1 on a
+# 4-token vocabulary every round finds a continuation, merged (a 1-token one) or drafted alone
+HYBRID = Retrieval(min_ngram=1, max_ngram=2)
+
+
+@pytest.mark.parametrize("drafter_kind,spec,sampling,retrieval", [
+    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0), None),
+    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), None),
+    ("ngram", DraftSpec.tree(depth=2, top_k=2, budget=3), SamplingParams(temperature=0.7, top_k=3, top_p=0.95), None),
+    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0), HYBRID),
+    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), HYBRID),
+], ids=["moa-chain", "moa-tree", "ngram-tree", "hybrid-chain", "hybrid-tree"])
 @pytest.mark.slow
-def test_speculative_sampling_matches_target_distribution(drafter_kind, spec, sampling):
+def test_speculative_sampling_matches_target_distribution(drafter_kind, spec, sampling, retrieval):
     """8,000 sampled continuations (batches of identical prompts through the engine) follow the
     exact distribution of the target's own warped sampling."""
     target = make_target("llama", vocab_size=VOCAB)
     torch.manual_seed(0)
     drafter = MoADrafter(MoAConfig(target=target.signature, tli=1)).eval() if drafter_kind == "moa" else "ngram"
     probs = exact_distribution(target, sampling)
-    engine = SpeculativeEngine(target, drafter, spec)
+    engine = SpeculativeEngine(target, drafter, spec, retrieval=retrieval)
     counts: dict = {}
     accepted = rejected = 0
     for seed in range(SAMPLES // BATCH):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vllm_moa.decoding.retrieval import continuations, merge_branches
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.target import TargetOutput
@@ -26,38 +27,13 @@ class NgramSession:
 
     def continuations(self, pending: int, length: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations (<= `length` tokens) of history + [pending]."""
-        tokens = self.history + [pending]
-        found: list[list[int]] = []
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
-                    follow = tokens[start + n : start + n + length]
-                    if follow and not any(f[: len(follow)] == follow for f in found):
-                        found.append(follow)
-                        if len(found) == limit:
-                            return found
-        return found
+        return continuations(self.history, pending, self.max_ngram, self.min_ngram, length, limit)
 
     def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
                 generator: torch.Generator | None = None) -> DraftTree:
         """Deterministic proposals (point masses when sampling)."""
-        device = "cpu"
-        limit = 1 if spec.is_chain else spec.top_k
-        tokens, parents, depths = [pending], [-1], [0]
-        trie: dict[tuple[int, int], int] = {}
-        for follow in self.continuations(pending, spec.depth, limit):
-            node = 0
-            for token in follow:
-                if (node, token) not in trie:
-                    if len(tokens) - 1 >= spec.max_nodes:
-                        break
-                    tokens.append(token)
-                    parents.append(node)
-                    depths.append(depths[node] + 1)
-                    trie[(node, token)] = len(tokens) - 1
-                node = trie[(node, token)]
-        return DraftTree(torch.tensor(tokens, device=device), parents, depths, [-1] * len(tokens))
+        found = self.continuations(pending, spec.depth, 1 if spec.is_chain else spec.top_k)
+        return merge_branches(DraftTree.single(pending, "cpu"), found, spec.max_nodes)
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.history += tree.tokens[path].tolist()

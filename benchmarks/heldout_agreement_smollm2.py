@@ -1,0 +1,113 @@
+"""Held-out top-1 agreement by draft depth of SmolLM2 drafters: the figure a training change is
+judged by before it is judged by speed (acceptance through the runtime: acceptance_smollm2.py).
+
+    python -m benchmarks.heldout_agreement_smollm2 [--drafters shipped DIR ...] [--labels ...] \\
+        [--recipe moa-tli0] [--out benchmarks/results/heldout_agreement_smollm2.json]
+
+Every drafter is evaluated on the same 96 held-out sequences of the committed regenerated dataset
+(vllm_moa/recipes/data: the target's own greedy answers to prompts never trained on), with the
+trainer's own evaluation (K-step anchors drawn from a fixed evaluation stream, so every drafter
+sees the same anchors), in fp32, so that drafters trained in bf16 or shipped in fp16 compare on
+equal terms. "shipped" is the recipe's drafter in vllm_moa/assets/smollm2; a directory is a
+drafter directory (config.json + model.safetensors), e.g. a checkpoint's drafter/ of the long run.
+
+Writes the JSON (with provenance and each drafter's card or training state where there is one)
+and a PNG of agreement against depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
+from vllm_moa.recipes.smollm2_long import SHIPPED, load_dataset  # noqa: E402
+
+
+def agreement(drafter_dir: Path, recipe_drafter: str, target, held: list, recipe: SmolRecipe) -> list[float | None]:
+    """The trainer's held-out agreement by depth (0..eval_depth) of the drafter in `drafter_dir`."""
+    from vllm_moa.training.trainer import TrainConfig, Trainer
+
+    loaded = load_drafter(drafter_dir, target)
+    kind, tli, options = DRAFTERS[recipe_drafter]
+    vocab = loaded.draft_vocab
+    if vocab is not None:
+        options = {**options, "draft_vocab_size": int(vocab.numel())}
+    with tempfile.TemporaryDirectory() as out:
+        config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=1, batch_size=8,
+                             max_length=recipe.max_length, eval_depth=recipe.eval_depth, output_dir=out,
+                             precision="fp32", seed=recipe.seed, progress=False)
+        trainer = Trainer(config, target, held, held, draft_vocab=vocab)
+        trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+        return trainer.evaluate()
+
+
+def describe(drafter_dir: Path) -> dict:
+    """What is known of how a drafter was made: its checkpoint step, or the shipped card's numbers."""
+    info: dict = {"path": str(drafter_dir)}
+    state = drafter_dir.parent / "trainer_state.pt"
+    if state.is_file():
+        info["checkpoint_step"] = int(torch.load(state, map_location="cpu", weights_only=True)["step"])
+    return info
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafters", nargs="+", default=["shipped"], help="'shipped' or drafter directories")
+    parser.add_argument("--labels", nargs="+", default=None, help="one label per drafter (default: the paths)")
+    parser.add_argument("--recipe", choices=sorted(DRAFTERS), default="moa-tli0", help="the recipe's drafter shape")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "heldout_agreement_smollm2.json")
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.drafters):
+        parser.error("--labels needs one label per drafter")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from vllm_moa.target import TargetModel
+    from vllm_moa.targets import fetch_smollm2
+
+    record = provenance(torch_threads=torch.get_num_threads(), config=vars(args) | {"out": str(args.out)})
+    recipe = SmolRecipe()
+    target = TargetModel.from_pretrained(fetch_smollm2())
+    _, held = load_dataset()
+    rows = []
+    for index, name in enumerate(args.drafters):
+        directory = SHIPPED / args.recipe if name == "shipped" else Path(name)
+        label = args.labels[index] if args.labels else name
+        by_depth = agreement(directory, args.recipe, target, held, recipe)
+        rows.append({"label": label, **describe(directory), "heldout_agreement_by_depth": by_depth})
+        print(json.dumps(rows[-1]))
+    result = {"what": "held-out top-1 agreement with SmolLM2-135M-Instruct by draft depth (index k >= 1: the k-th "
+                      "drafted token; index 0: the anchor itself, which the target supplies at inference), the "
+                      "trainer's evaluation in fp32 on the committed dataset's 96 held-out sequences",
+              "heldout_sequences": len(held), "recipe_drafter": args.recipe, "drafters": rows,
+              "provenance": record}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for row in rows:  # index 0 is the anchor itself (the target's own token at inference): not drafted
+        depths = [d for d, v in enumerate(row["heldout_agreement_by_depth"]) if v is not None and d >= 1]
+        axis.plot(depths, [row["heldout_agreement_by_depth"][d] for d in depths], marker="o", label=row["label"])
+    axis.set_xlabel("draft depth (k-th drafted token)")
+    axis.set_ylabel("top-1 agreement with the target")
+    axis.set_title("SmolLM2 drafters, held-out agreement")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(args.out.with_suffix(".png"), dpi=120)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Retrieval drafting and hybrid draft trees: lookup over the sequence so far (prompt lookup /
+n-gram), alone or merged into a model drafter's tree.
+
+Lookup and a model draft from different information: lookup copies spans the context already
+holds (code, quoted text, repeated names), the model predicts new text. A hybrid round:
+
+    continuations = what followed earlier matches of the recent suffix (longest suffix first,
+                    most recent match first; of a few such, the `branches` longest, `depth` tokens
+                    at most)
+    a continuation at least `alone_at` tokens long  ->  the lookup trie alone: the drafter does not
+                    run this round (it catches up on the accepted tokens afterwards)
+    otherwise       ->  the model's tree (chain or EAGLE-2 tree), with each continuation merged in
+                    as a branch from the root (shared prefixes reuse the model's nodes; at most
+                    `extra_nodes` new nodes)
+
+Merged nodes are deterministic (point masses): verified greedily or by recursive rejection
+(decoding/verify.py), the output stays exactly the target's, greedy or sampled. A model chain
+sampled from the drafter's distribution (temperature > 0) carries that distribution for
+rejection sampling, so it is left as drafted (no merge; the retrieval-alone rule still applies).
+
+    Retrieval            the options, declared once
+    continuations(...)   the lookup
+    merge_branches(...)  continuations into a tree
+    HybridSession        a model drafter's session + lookup, as one DraftSession
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from vllm_moa.decoding.drafters import ModelSession
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
+from vllm_moa.target import TargetOutput
+
+
+class Retrieval(BaseModel):
+    """Lookup merged into a model drafter's tree (SpeculativeEngine(..., retrieval=Retrieval()))."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_ngram: int = Field(4, ge=1, le=64, description="longest suffix looked up")
+    min_ngram: int = Field(2, ge=1, le=64, description="shortest suffix looked up (1-token matches are mostly noise "
+                                                       "next to a model)")
+    branches: int = Field(2, ge=1, le=16, description="distinct continuations merged per round")
+    extra_nodes: int | None = Field(None, ge=1, le=64, description="new nodes lookup may add to the model's tree "
+                                                                   "(default: the draft depth)")
+    alone_at: int | None = Field(None, ge=1, le=64, description="a continuation this long is drafted alone, "
+                                                                "without running the model (default: the draft "
+                                                                "depth; set above it to always run the model)")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> Retrieval:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"retrieval min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+        return self
+
+
+def continuations(history: Sequence[int], pending: int, max_ngram: int, min_ngram: int, length: int,
+                  limit: int) -> list[list[int]]:
+    """Up to `limit` distinct continuations (<= `length` tokens each) of history + [pending]: what
+    followed earlier occurrences of its last n tokens, n from max_ngram down to min_ngram, the most
+    recent occurrence first. A continuation that is a prefix of one already found is skipped."""
+    tokens = list(history) + [pending]
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + length]
+                if follow and not any(f[: len(follow)] == follow for f in found):
+                    found.append(follow)
+                    if len(found) == limit:
+                        return found
+    return found
+
+
+def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], max_new: int) -> DraftTree:
+    """`tree` with each branch (tokens after the root) added as a path from the root: existing
+    nodes with the same token under the same parent are reused, at most `max_new` nodes are added
+    (a branch cut there keeps its prefix). New nodes are appended (parents first), never fed to a
+    drafter (feed slot -1) and deterministic (the result has no draft probabilities)."""
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    depths, slots = list(tree.depths), list(tree.feed_slots)
+    child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    added = 0
+    for branch in branches:
+        node = 0
+        for token in branch:
+            if (node, token) not in child:
+                if added >= max_new:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                slots.append(-1)
+                child[(node, token)] = len(tokens) - 1
+                added += 1
+            node = child[(node, token)]
+    if added == 0:
+        return tree
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, depths, slots)
+
+
+class HybridSession:
+    """A model drafter's session (decoding/drafters.ModelSession) with lookup merged into its
+    trees. Counts its rounds by source in `rounds`: "model", "merged", "retrieval"."""
+
+    def __init__(self, model: ModelSession, retrieval: Retrieval) -> None:
+        if not isinstance(model, ModelSession):
+            raise ValueError("retrieval merges lookup into a model drafter's tree; this drafter has no model "
+                             f"session ({type(model).__name__}): use it without retrieval")
+        self.model, self.retrieval = model, retrieval
+        self.history: list[int] = []
+        self.rounds = {"model": 0, "merged": 0, "retrieval": 0}
+
+    def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
+        self.model.start(prompt, prefill)
+        self.history = prompt[0].tolist()
+
+    def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> DraftTree:
+        options = self.retrieval
+        # the longest of a few candidates: in a run, the most recent match is the shortest one
+        found = continuations(self.history, pending, options.max_ngram, options.min_ngram, spec.depth,
+                              4 * options.branches)
+        found = sorted(found, key=len, reverse=True)[: options.branches]  # stable: recency among equals
+        if found and len(found[0]) >= (options.alone_at or spec.depth):
+            self.model.skip_round()
+            self.rounds["retrieval"] += 1
+            return merge_branches(DraftTree.single(pending, self.model.device), found, spec.max_nodes)
+        tree = self.model.propose(pending, spec, sampling, generator)
+        if not found or tree.probs is not None:  # a sampled chain keeps its q for rejection sampling
+            self.rounds["model"] += 1
+            return tree
+        self.rounds["merged"] += 1
+        return merge_branches(tree, found, options.extra_nodes or spec.depth)
+
+    def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
+        self.model.accept(tree, path, verified)
+        self.history += tree.tokens[path].tolist()
+
+
+def max_extra_nodes(retrieval: Retrieval | None, spec: DraftSpec) -> int:
+    """Nodes a round may hold beyond spec.max_nodes (the context-window check)."""
+    return 0 if retrieval is None else (retrieval.extra_nodes or spec.depth)
