@@ -7,6 +7,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR   # the real target
     python -m benchmarks.vllm_cpu_engine --ks 3 --concurrency 1 --max-tokens 32   # a quick look
     python -m benchmarks.vllm_cpu_engine --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
+    python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR --ks 3 --retrieval '{}'   # + hybrid rows
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -47,24 +48,35 @@ def resolve_target(name: str) -> Path:
     return Path(name)
 
 
-def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tokens: int) -> list[list[int]]:
-    """Token ids: Spec-Bench questions through the target's chat template when it has one
-    (--prompts), else the demo's held-out stdlib files; at most the last prompt_tokens tokens."""
+def heldout_prompts_file(drafter: Path | None) -> Path:
+    """The held-out prompts shipped beside a drafter (its directory's parent), else the demo's."""
+    beside = drafter.parent / "heldout_prompts.json" if drafter is not None else None
+    return beside if beside is not None and beside.is_file() else SHIPPED / "heldout_prompts.json"
+
+
+def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tokens: int,
+                 heldout: Path) -> list[list[int]]:
+    """Token ids: Spec-Bench questions (--prompts) or the held-out prompts shipped beside the
+    drafter, through the target's chat template when it has one (the demo's stdlib files: raw);
+    at most the last prompt_tokens tokens."""
     from transformers import AutoTokenizer
+
+    from vllm_moa.training.data import encode_prompt, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     if prompts_file is not None:
-        from vllm_moa.training.data import encode_prompt, read_prompts
-
         return [encode_prompt(tokenizer, t)[-prompt_tokens:] for t in read_prompts(prompts_file)[:count]]
-    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:count]
+    texts = [p if isinstance(p, str) else p["text"] for p in json.loads(heldout.read_text())][:count]
+    if tokenizer.chat_template:
+        return [encode_prompt(tokenizer, t)[-prompt_tokens:] for t in texts]
     return [tokenizer(t)["input_ids"][-prompt_tokens:] for t in texts]
 
 
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
-            trees: list[tuple[int, int, int]] = ()) -> dict[str, dict | None]:
+            trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
-    same node budget (num_speculative_tokens = budget either way)."""
+    same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
+    options), every MoA chain and tree also runs as a "hybrid" one."""
     out: dict[str, dict | None] = {"none": None}
     if ngram_k:
         out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
@@ -75,6 +87,9 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
             out[f"moa tree {depth},{top_k},{budget}"] = {
                 "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
                 "moa_tree": {"depth": depth, "top_k": top_k}}
+        if retrieval is not None:
+            out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
+                        for name, config in list(out.items()) if name.startswith("moa ")})
     if tli1 is not None:
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
     return out
@@ -102,6 +117,8 @@ def main() -> None:
     parser.add_argument("--ngram-k", type=int, default=3, help="n-gram's K (0: no n-gram run)")
     parser.add_argument("--trees", type=_tree, nargs="*", default=[], metavar="D,K,B",
                         help="MoA draft trees (depth, top-k, node budget), each with the chain K=B")
+    parser.add_argument("--retrieval", type=json.loads, default=None, metavar="JSON",
+                        help="moa_retrieval options, e.g. '{}' (the defaults): a hybrid row beside each MoA chain/tree")
     parser.add_argument("--tli1-drafter", type=Path, default=None,
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
@@ -113,7 +130,8 @@ def main() -> None:
     target = resolve_target(args.target)
     drafter = args.drafter or (SHIPPED / "moa-tli0" if args.target == "demo" else None)
     tli1 = args.tli1_drafter or (SHIPPED / "moa-tli1" if args.target == "demo" and args.tli1_k else None)
-    prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens)
+    heldout = heldout_prompts_file(drafter)
+    prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens, heldout)
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if args.threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.threads
@@ -121,7 +139,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
 
     rows, reference = [], None
-    configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees)
+    configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
@@ -147,7 +165,7 @@ def main() -> None:
     report = {
         "benchmark": "vllm_cpu_engine", "target": str(target), "drafter": str(drafter) if drafter else None,
         "tli1_drafter": str(tli1) if tli1 else None,
-        "prompts": str(args.prompts or "vllm_moa/assets/demo/heldout_prompts.json"), "num_prompts": len(prompts),
+        "prompts": str(args.prompts or heldout), "num_prompts": len(prompts),
         "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "methods": configs, "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True, **env,
                    "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", args.threads)},

@@ -127,6 +127,8 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     ),
     # draft trees (integration/tree.py): the field everywhere, the runner hooks on 0.32
     "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),
+    "speculative_moa_retrieval": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_retrieval",
+                                               adds=True),
     "runner_prepare_inputs": PatchedSymbol(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs",
         "(self, scheduler_output, num_scheduled_tokens)", series=TREE_SERIES,
@@ -218,6 +220,11 @@ def host_seq_lens_fields(cad: Any, rows_of: Callable[[Tensor], Tensor], *, exact
                 "_num_computed_tokens_cpu": None, "_num_computed_tokens_cache": None}
     raise UnsupportedVllm(f"CommonAttentionMetadata has neither seq_lens_cpu_upper_bound (0.32) nor "
                           f"_seq_lens_cpu (0.26): fields {sorted(fields)}")
+
+
+def host_query_start_loc(cad: Any) -> list[int]:
+    """CommonAttentionMetadata's row offsets [B + 1] on the host."""
+    return cad.query_start_loc_cpu.tolist()
 
 
 def build_drafting_metadata(group: Any, cad: Any, draft_index: int) -> Any:
@@ -340,6 +347,15 @@ class RunnerView:
     @property
     def positions(self) -> Tensor:
         return self._runner.positions  # the step's positions buffer (device)
+
+    def verified_token_ids(self, row: int) -> list[int]:
+        """Row `row`'s tokens before this step's drafts: prompt + outputs (host)."""
+        batch = self._runner.input_batch
+        return batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]].tolist()
+
+    def scheduled_draft_count(self, row: int) -> int:
+        """The draft tokens the scheduler gave row `row` this step."""
+        return len(self._runner.input_batch.spec_token_ids[row])
 
     @property
     def input_ids(self) -> Tensor:

@@ -184,6 +184,40 @@ def requested_tree(speculative_config: Any) -> Any:
                      spec.draft_model_config.hf_config.tli, compat.installed_vllm_version())
 
 
+# -- retrieval (lookup drafts beside the model's) ------------------------------------------------
+RETRIEVAL_FIELD = "moa_retrieval"  # speculative_config key (patches.RetrievalFieldPatch declares it)
+RETRIEVAL_IN_VLLM = ("max_ngram", "min_ngram", "branches", "alone_at")  # extra_nodes: the budget is fixed
+
+
+def retrieval_options(moa_retrieval: Any) -> Any:
+    """speculative_config {"method": "moa", ..., "moa_retrieval": {"max_ngram": 4, ...}} -> the
+    decoding.retrieval.Retrieval options (validated there, declared once); None without the key;
+    {} takes every default. Raises UnsupportedMoASetup naming what does not fit."""
+    from pydantic import ValidationError
+
+    from vllm_moa.decoding.retrieval import Retrieval
+
+    if moa_retrieval is None:
+        return None
+    if not isinstance(moa_retrieval, dict):
+        raise UnsupportedMoASetup(f"{RETRIEVAL_FIELD} must be an object like {{\"max_ngram\": 4, \"alone_at\": 3}}, "
+                                  f"got {moa_retrieval!r}")
+    unknown = sorted(set(moa_retrieval) - set(RETRIEVAL_IN_VLLM))
+    if unknown:
+        raise UnsupportedMoASetup(f"unknown key(s) {unknown} in {RETRIEVAL_FIELD}; inside vLLM it takes "
+                                  f"{list(RETRIEVAL_IN_VLLM)} (the node budget is num_speculative_tokens)")
+    try:
+        return Retrieval(**moa_retrieval)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or RETRIEVAL_FIELD}: {e['msg']}" for e in err.errors())
+        raise UnsupportedMoASetup(f"{RETRIEVAL_FIELD} {moa_retrieval}: {problems}") from None
+
+
+def requested_retrieval(speculative_config: Any) -> Any:
+    """The Retrieval options a MoA speculative_config asks for (retrieval_options), None without."""
+    return retrieval_options(getattr(speculative_config, RETRIEVAL_FIELD, None))
+
+
 def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
     """vLLM options that act on chain verification and that draft trees do not take (yet)."""
     chain_only = {

@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: ten declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: eleven declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -13,6 +13,7 @@
   draft trees (integration/tree.py; the last three are applied in the worker when a MoA drafter
   drafts trees, and do nothing for other requests or drafters):
     TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K}
+    RetrievalFieldPatch       SpeculativeConfig.moa_retrieval   lookup drafts beside the model's, {"max_ngram": 4, ...}
     RunnerPrepareInputsPatch  GPUModelRunner._prepare_inputs    tree nodes' RoPE positions = prefix + depth
     TreeAttentionPatch        CPUAttentionBackendImpl.forward   the target's node rows under the tree mask
     RunnerSamplePatch         GPUModelRunner._sample            accept along the tree; the path's KV to
@@ -137,14 +138,22 @@ class SpeculativePostInitPatch(VllmPatch):
 
         @functools.wraps(original)
         def __post_init__(self):  # noqa: N807
-            from vllm_moa.integration.draft_config import TREE_FIELD, check_tree_setup, tree_spec
+            from vllm_moa.integration.draft_config import (
+                RETRIEVAL_FIELD,
+                TREE_FIELD,
+                check_tree_setup,
+                retrieval_options,
+                tree_spec,
+            )
 
             moa_tree = getattr(self, TREE_FIELD, None)
             if self.method != compat.METHOD:
-                if moa_tree is not None:
-                    raise ValueError(f"{TREE_FIELD} applies to speculative method '{compat.METHOD}' only "
-                                     f"(method is {self.method!r})")
+                for field in (TREE_FIELD, RETRIEVAL_FIELD):
+                    if getattr(self, field, None) is not None:
+                        raise ValueError(f"{field} applies to speculative method '{compat.METHOD}' only "
+                                         f"(method is {self.method!r})")
                 return original(self)
+            retrieval_options(getattr(self, RETRIEVAL_FIELD, None))
             from vllm_moa.integration.draft_config import V2_RUNNER_ENV, check_moa_drafter, check_model_runner
 
             target = self.target_model_config
@@ -244,12 +253,9 @@ class V1RunnerPatch(VllmPatch):
         setattr(owner, attr, unsupported)
 
 
-class TreeFieldPatch(VllmPatch):
-    """SpeculativeConfig gains one optional field, `moa_tree` ({"depth": D, "top_k": K}, default
-    None: chains); vLLM's config is a pydantic dataclass that refuses unknown keys, so the field is
-    declared on it and the validator rebuilt. The node budget is num_speculative_tokens."""
-
-    symbol = "speculative_moa_tree"
+class _OptionalFieldPatch(VllmPatch):
+    """SpeculativeConfig gains one optional field (default None); vLLM's config is a pydantic
+    dataclass that refuses unknown keys, so the field is declared on it and the validator rebuilt."""
 
     @classmethod
     def _patch(cls, owner: Any, attr: str) -> None:
@@ -267,6 +273,21 @@ class TreeFieldPatch(VllmPatch):
         owner.__annotations__[attr] = annotation
         setattr(owner, attr, None)
         rebuild_dataclass(owner, force=True)
+
+
+class TreeFieldPatch(_OptionalFieldPatch):
+    """SpeculativeConfig.moa_tree ({"depth": D, "top_k": K}, default None: chains). The node
+    budget is num_speculative_tokens."""
+
+    symbol = "speculative_moa_tree"
+
+
+class RetrievalFieldPatch(_OptionalFieldPatch):
+    """SpeculativeConfig.moa_retrieval ({"max_ngram": 4, "min_ngram": 2, "branches": 2,
+    "alone_at": D}, default None: the model drafts every round; {}: the defaults): lookup drafts
+    beside the model's (integration/retrieval.py)."""
+
+    symbol = "speculative_moa_retrieval"
 
 
 class RunnerPrepareInputsPatch(VllmPatch):
@@ -386,6 +407,7 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     DraftModelProposerPatch,
     V1RunnerPatch,
     TreeFieldPatch,
+    RetrievalFieldPatch,
 )
 # Applied in the worker, when a MoA drafter drafts trees (prepare_moa_engine): they touch the
 # model runner and the CPU attention backend, which the front-end process never imports.

@@ -13,7 +13,9 @@ What MoA adds:
        the same slots of CA's paged cache (rejected drafts skipped: tap.tap_write_slots);
     2. CA's own attention metadata: sequence lengths = the verified count (tap.row_seq_lens),
        non-causal in the first pass (like vLLM's DFlash drafter, the drafter's backend is
-       chosen among those that support it), and no KV writes in the forward (no slot mapping).
+       chosen among those that support it), and no KV writes in the forward (no slot mapping);
+    3. draft trees (speculative_config "moa_tree", integration/tree.py) and lookup drafts beside
+       the model's ("moa_retrieval", integration/retrieval.py).
 The embedding and LM head are the target's own modules (shared, never copied).
 """
 
@@ -39,9 +41,18 @@ from vllm_moa.integration.draft_config import (
     UnsupportedMoASetup,
     check_kv_cache_dtype,
     check_tree_setup,
+    requested_retrieval,
     requested_tree,
 )
 from vllm_moa.integration.model import MoADraftModel
+from vllm_moa.integration.retrieval import (
+    LookupPlan,
+    lookup_chain,
+    lookup_tree,
+    one_hot_rows,
+    plan_lookups,
+    request_histories,
+)
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
 
 logger = init_logger(__name__)
@@ -68,6 +79,8 @@ class MoAProposer(DraftModelProposer):
         self._first_pass_metadata: dict[str, object] = {}
         self._root_hidden: torch.Tensor | None = None  # [B, E] tree mode: the first pass's output at the roots
         self._chain_only_reason: str | None = None  # logged when it changes
+        self.retrieval = requested_retrieval(spec)  # lookup drafts beside the model's (None: off)
+        self.rounds = {"model": 0, "retrieval": 0}  # request-steps drafted by each (with retrieval on)
         if self.tree_spec is not None:  # the tree patches are applied (patches.prepare_moa_engine)
             check_tree_setup(spec, vllm_config.kv_transfer_config)
 
@@ -179,22 +192,64 @@ class MoAProposer(DraftModelProposer):
     ) -> torch.Tensor:
         self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu)
         self._num_rejected = num_rejected_tokens_gpu
+        lookups = self.plan_lookups(target_token_ids, next_token_ids, common_attn_metadata, num_rejected_tokens_gpu,
+                                    num_speculative_tokens)
+        drafting_steps = 1 if self.tree_spec is not None else num_speculative_tokens
+        if lookups is not None and lookups.every_row:
+            drafting_steps = 0  # the first pass only: it keeps SA's KV cache in step (as vLLM's dynamic K=0)
         try:
             first_pass = super().propose(
-                1 if self.tree_spec is not None else num_speculative_tokens, target_token_ids, target_positions,
+                drafting_steps, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
                 sampling_metadata, mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
                 slot_mappings=slot_mappings,
-            )  # [B, K] (a chain), or [B, 1] after the first pass that a tree grows from
+            )  # [B, K] (a chain), [B, 1] after the first pass that a tree grows from, or [B, 0]
             if self.tree_spec is None:
-                return first_pass
+                return self.chains_with_lookups(first_pass, lookups, num_speculative_tokens, next_token_ids.device)
             # tree nodes are deterministic top-k children (point masses): no draft distribution
             # for vLLM's rejection sampler, which verifies the steps that fall back to chains
             self._last_draft_probs = None
-            return self.propose_trees(next_token_ids, num_speculative_tokens)
+            return self.propose_trees(next_token_ids, num_speculative_tokens, lookups)
         finally:
             self._num_rejected = None
             self._root_hidden = None
+
+    # -- lookup drafts (integration/retrieval.py) -------------------------------------------
+    def plan_lookups(self, step_tokens: torch.Tensor, next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
+                     num_rejected: torch.Tensor | None, count: int) -> LookupPlan | None:
+        """Which requests draft from lookup this step (None: retrieval is off)."""
+        if self.retrieval is None:
+            return None
+        view = compat.RunnerView(self._runner)
+        batch = next_token_ids.shape[0]
+        histories = request_histories(
+            [view.verified_token_ids(b) for b in range(batch)], [view.scheduled_draft_count(b) for b in range(batch)],
+            step_tokens.tolist(), compat.host_query_start_loc(cad)[: batch + 1],
+            None if num_rejected is None else num_rejected.tolist())
+        length = count  # a tree's lookup paths may be as deep as its budget
+        alone_at = count if self.tree_spec is None else self.tree_spec.depth
+        plan = plan_lookups(self.retrieval, histories, next_token_ids.tolist(), length, alone_at)
+        drafted = len(plan.rows)
+        self.rounds["retrieval"] += drafted
+        self.rounds["model"] += batch - drafted
+        return plan
+
+    def chains_with_lookups(self, drafts: torch.Tensor, lookups: LookupPlan | None, count: int,
+                            device: torch.device) -> torch.Tensor:
+        """The model's chains [B, K] with the lookup rows' chains in their place."""
+        if lookups is None or not lookups.rows:
+            return drafts
+        chains = torch.tensor([lookup_chain(found, count) if found is not None else [0] * count
+                               for found in lookups.found], dtype=torch.long)  # [B, K]
+        if lookups.every_row:
+            self._last_draft_probs = None
+            return chains.to(device)
+        drafts = drafts.clone()
+        rows = lookups.rows
+        drafts[rows] = chains[rows].to(drafts.device, drafts.dtype)
+        if self._last_draft_probs is not None:  # q of the model's sampled chains: lookup rows are point masses
+            one_hot_rows(self._last_draft_probs, rows, chains)
+        return drafts
 
     # -- draft trees ------------------------------------------------------------------------
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
@@ -202,26 +257,29 @@ class MoAProposer(DraftModelProposer):
             self._root_hidden = hidden_states
         return super()._sample_draft_tokens(hidden_states, sampling_metadata)
 
-    def propose_trees(self, next_token_ids: torch.Tensor, count: int) -> torch.Tensor:
+    def propose_trees(self, next_token_ids: torch.Tensor, count: int, lookups: LookupPlan | None = None) -> torch.Tensor:
         """Grow an EAGLE-2 tree per request from the first pass (decoding/tree.py's TreeGrowth,
-        all requests' levels in one drafter forward); returns the first `count` (vLLM's tokens to
-        schedule: the budget) of each tree's nodes in preorder, [B, count], for the scheduler and
-        keeps the trees for verification."""
+        all requests' levels in one drafter forward), or take the request's lookup tree
+        (integration/retrieval.py); returns the first `count` (vLLM's tokens to schedule: the
+        budget) of each tree's nodes in preorder, [B, count], for the scheduler and keeps the
+        trees for verification."""
         model = self.moa_model()
         spec = self.tree_spec
         roots = next_token_ids.tolist()  # [B]
         batch = len(roots)
-        root_positions = self.positions[self._sample_indices].tolist()  # [B]
-        sa_metadata = self._first_pass_metadata[model.model.sa.attn.layer_name]
-        context = model.tree_context(self._kv_layout, sa_metadata.block_table, root_positions)
-        device = self._root_hidden.device
-        growths = [TreeGrowth(root, spec, None, None, device) for root in roots]
-        root_logits = model.compute_logits(self._root_hidden)  # [B, V]
-        for b, growth in enumerate(growths):
-            growth.next_level()
-            growth.advance(root_logits[b: b + 1])
-        while True:
-            pending = [(b, level) for b, growth in enumerate(growths) if (level := growth.next_level()) is not None]
+        device = next_token_ids.device
+        grown = [b for b in range(batch) if lookups is None or lookups.found[b] is None]
+        growths = {b: TreeGrowth(roots[b], spec, None, None, device) for b in grown}
+        if grown:
+            root_positions = self.positions[self._sample_indices].tolist()  # [B]
+            sa_metadata = self._first_pass_metadata[model.model.sa.attn.layer_name]
+            context = model.tree_context(self._kv_layout, sa_metadata.block_table, root_positions)
+            root_logits = model.compute_logits(self._root_hidden[grown])  # [G, V]
+            for i, b in enumerate(grown):
+                growths[b].next_level()
+                growths[b].advance(root_logits[i: i + 1])
+        while growths:
+            pending = [(b, level) for b, growth in growths.items() if (level := growth.next_level()) is not None]
             if not pending:
                 break
             ids, positions, levels, start = [], [], [], 0
@@ -235,13 +293,14 @@ class MoAProposer(DraftModelProposer):
                 growths[b].advance(logits[rows])
         drafts = torch.empty(batch, count, dtype=torch.long)
         req_ids = compat.RunnerView(self._runner).req_ids
-        for b, growth in enumerate(growths):
-            drafted = tree.preorder(tree.pad_tree(growth.result(), spec.budget))
+        for b in range(batch):
+            grew = growths[b].result() if b in growths else lookup_tree(roots[b], lookups.found[b], spec.budget)
+            drafted = tree.preorder(tree.pad_tree(grew, spec.budget))
             drafts[b] = drafted.tokens[1: count + 1]
             if b < len(req_ids) and req_ids[b] is not None:
                 self.drafted_trees.by_request[req_ids[b]] = drafted
         self.drafted_trees.forget_all_but(set(req_ids))
-        return drafts.to(next_token_ids.device)
+        return drafts.to(device)
 
     def plan_tree_step(self, runner, scheduler_output) -> None:
         """RunnerPrepareInputsPatch's hook: this step's trees (tree.plan_step)."""

@@ -207,6 +207,23 @@ def test_moa_tree_is_a_declared_field_checked_for_moa_only(demo_target, demo_dra
     assert engine_config(demo_target, {**moa_tree, "moa_tree": None}).speculative_config.moa_tree is None
 
 
+def test_moa_retrieval_is_a_declared_field_checked_for_moa_only(demo_target, demo_drafter):
+    """speculative_config.moa_retrieval: accepted with method 'moa' (chains run it on every
+    supported vLLM), refused with a message for bad options and for other methods."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    assert "moa_retrieval" in SpeculativeConfig.__dataclass_fields__
+    chain = {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 3}
+    options = {"max_ngram": 3, "alone_at": 2}
+    assert engine_config(demo_target, {**chain, "moa_retrieval": options}).speculative_config.moa_retrieval == options
+    assert engine_config(demo_target, chain).speculative_config.moa_retrieval is None
+    with pytest.raises(Exception, match=r"unknown key\(s\) \['depth'\] in moa_retrieval"):
+        engine_config(demo_target, {**chain, "moa_retrieval": {"depth": 3}})
+    with pytest.raises(Exception, match="applies to speculative method 'moa' only"):
+        engine_config(demo_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                    "moa_retrieval": options})
+
+
 FIX_PROBE = r"""
 import json
 from vllm_moa.integration import patches, plugin

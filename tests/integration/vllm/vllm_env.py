@@ -86,24 +86,29 @@ def prompts() -> list[list[int]]:
     return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
 
 
-def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None) -> dict:
-    """speculative_config of MoA: a chain of k, or (tree = (depth, top_k)) a tree of k nodes."""
+def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
+        retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
+    """speculative_config of MoA: a chain of k, or (tree = (depth, top_k)) a tree of k nodes;
+    retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
     config = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
     if tree is not None:
         config["moa_tree"] = {"depth": tree[0], "top_k": tree[1]}
+    if retrieval is not None:
+        config["moa_retrieval"] = dict(retrieval)
     return config
 
 
 @cache
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
-           stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple[int, int] | None = None):
+           stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
+           retrieval: tuple[tuple[str, int], ...] | None = None):
     """One engine run over prompts(), cached for the session (`replica` starts another engine of
     the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
     and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
     and recomputes requests."""
     from vllm_moa.integration.offline import EngineRun, run_engine
 
-    config = {"moa": moa(k, drafter, tree) if k else None,
+    config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
     extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
              "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
