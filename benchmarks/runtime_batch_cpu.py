@@ -3,7 +3,11 @@ decoding through the same batched engine (no drafter) against MoA, EAGLE-style a
 drafters, as chains of K = 3 and one small tree.
 
     python -m benchmarks.runtime_batch_cpu --prompts ../shared/data/specbench/mt_bench/question.jsonl \
-        [--batches 1 4 16] [--max-new-tokens 48]
+        [--batches 1 4 16] [--max-new-tokens 48] [--adaptive]
+
+--adaptive runs every configuration a second time with SpeculativeEngine(..., adaptive=True): each
+round's depth, plain decoding included, chosen from measured costs and acceptance
+(decoding/speed_control.py); its rows also give the share of rounds it decoded plainly.
 
 For each batch size B, B prompts (chat-templated Spec-Bench questions, cycled if there are fewer)
 run as one ragged batch: plain, then each configuration, alternately; every sequence's output is
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "eagle", "ngram"])
     parser.add_argument("--repeats", type=int, default=2, help="plain/speculative pairs per configuration")
+    parser.add_argument("--adaptive", action="store_true", help="each configuration also with adaptive=True")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "runtime_batch_cpu_smollm2.json")
     args = parser.parse_args()
     prov = provenance(torch_threads=torch.get_num_threads())  # at start: the code that runs
@@ -63,8 +68,10 @@ def main() -> None:
     for batch in args.batches:
         ids = [prompts[i % len(prompts)] for i in range(batch)]
         for name, drafter in tqdm(drafters.items(), desc=f"batch {batch}"):
-            for shape_name, spec in SHAPES.items():
-                engine = SpeculativeEngine(target, drafter, spec)
+            for (shape_name, spec), adaptive in ((shape, a) for shape in SHAPES.items()
+                                                 for a in ((False, True) if args.adaptive else (False,))):
+                engine = SpeculativeEngine(target, drafter, spec, adaptive=adaptive)
+                shape_name = f"{shape_name}, adaptive" if adaptive else shape_name
                 engine.generate([ids[0]], 4)  # warm-up
                 plain_s = spec_s = 0.0
                 results = []
@@ -85,6 +92,8 @@ def main() -> None:
                     "acceptance_length": round(summary["acceptance_length"], 3),
                     "tokens_per_s": round(tokens / spec_s, 1), "plain_tokens_per_s": round(tokens / plain_s, 1),
                     "speedup": round(plain_s / spec_s, 3), "drafter_share": round(summary["drafter_share"], 3),
+                    "plain_round_share": round(sum(d == 0 for r in results for d in r.drafted_per_forward)
+                                               / max(1, sum(len(r.drafted_per_forward) for r in results)), 3),
                 })
                 print(rows[-1])
     report = {

@@ -10,6 +10,8 @@ A `DraftSession` follows one sequence through speculative decoding:
                                     run through the target
     accept(tree, path, verified)    the target verified the tree and kept the nodes `path` (root
                                     first); `verified` is its output at those nodes ([1, len(path)])
+    skip_round()                    this round's tree does not come from propose (plain decoding,
+                                    or lookup): accept() follows as usual
 
 Each session keeps only what its drafter needs. Tree nodes are fed to the drafter level by level
 with an ancestor mask; after verification its caches are compacted to the accepted path (cached
@@ -38,6 +40,8 @@ class DraftSession(Protocol):
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None: ...
 
+    def skip_round(self) -> None: ...
+
 
 class ModelSession:
     """Shared proposal loop over `_step` (one tree level; see tree.StepFn)."""
@@ -56,8 +60,9 @@ class ModelSession:
         return grow_tree(self._step, pending, spec, sampling, generator, self.device)
 
     def skip_round(self) -> None:
-        """This round's draft comes from elsewhere (retrieval.HybridSession): nothing is fed, and
-        accept() then runs the drafter over the accepted tokens as over a round's unfed leaves."""
+        """This round's draft comes from elsewhere (lookup: retrieval.HybridSession, or none: a plain
+        round): nothing is fed, and accept() then runs the drafter over the accepted tokens as over
+        a round's unfed leaves."""
         self._begin()
 
 

@@ -26,6 +26,7 @@ from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.drafters import DraftSession
 from vllm_moa.decoding.retrieval import HybridSession, Retrieval, max_extra_nodes
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
+from vllm_moa.decoding.speed_control import SpeedController
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
 from vllm_moa.registry import DrafterArg
@@ -107,10 +108,11 @@ class SpeculativeEngine:
     """target + drafter (any kind's drafter object: a loaded drafter, NgramDrafter, NoDrafter for
     plain decoding through the same batched loop; None and "ngram" are accepted for the latter
     two) + what to draft each round (+ `retrieval`: lookup merged into a model drafter's trees,
-    decoding/retrieval.py)."""
+    decoding/retrieval.py; + `adaptive`: each round's depth, plain decoding included, chosen from
+    measured costs and acceptance, decoding/speed_control.py)."""
 
     def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None,
-                 retrieval: Retrieval | None = None) -> None:
+                 retrieval: Retrieval | None = None, adaptive: bool = False) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.drafter = kinds.as_drafter(drafter)
         kind = kinds.kind_of(self.drafter)
@@ -119,7 +121,7 @@ class SpeculativeEngine:
         if retrieval is not None and kind.model_free:
             raise ValueError(f"retrieval merges lookup into a model drafter's trees; a {kind.name} drafter has none "
                              "(n-gram lookup alone is the 'ngram' drafter)")
-        self.retrieval = retrieval
+        self.retrieval, self.adaptive = retrieval, adaptive
         config = getattr(target.hf_model, "config", None)
         self.context_window: int | None = getattr(config, "max_position_embeddings", None)
 
@@ -196,6 +198,7 @@ class GenerationBatch:
                       GenerationResult([]))
             for i, (p, budget) in enumerate(zip(prompts, budgets))
         ]
+        self.controller = _speed_controller(self.spec) if engine.adaptive and engine.drafts else None
         self.cache = SlotKVCache(self.target.num_layers, [0] * len(self.sequences))
         with torch.no_grad():
             self._prefill(self.sequences, self.cache)
@@ -240,16 +243,28 @@ class GenerationBatch:
 
     def _round(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
         device = self.target.device
-        trees = []
+        depth = None if self.controller is None else self.controller.choose(len(seqs))
+        spec = self.spec if depth is None or depth == self.spec.depth else DraftSpec.chain(depth) if depth else None
+        trees, drafting = [], 0.0
         for s in seqs:
             t0 = time.perf_counter()
-            tree = DraftTree.single(s.pending, device) if s.session is None else \
-                s.session.propose(s.pending, self.spec, self._sampling, self._generator)
-            s.result.drafter_seconds += time.perf_counter() - t0
+            if s.session is None:
+                tree = DraftTree.single(s.pending, device)
+            elif spec is None:  # plain decoding this round: the drafter catches up at acceptance
+                s.session.skip_round()
+                tree = DraftTree.single(s.pending, device)
+            else:
+                tree = s.session.propose(s.pending, spec, self._sampling, self._generator)
+            elapsed = time.perf_counter() - t0
+            s.result.drafter_seconds += elapsed
+            drafting += elapsed
             trees.append(tree)
+        t0 = time.perf_counter()
         width = cache.begin_round(max(t.size for t in trees), device)
         ids, positions, mask = verification_inputs(trees, cache.lengths, width, device)
         out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
+        verifying = time.perf_counter() - t0
+        accepted = []
         for row, (s, tree) in enumerate(zip(seqs, trees)):
             logits = out.logits[row, : tree.size]
             if self._sampling is None:
@@ -260,12 +275,17 @@ class GenerationBatch:
             if s.session is not None:
                 t0 = time.perf_counter()
                 s.session.accept(tree, path, _rows(out, row, path))
-                s.result.drafter_seconds += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                s.result.drafter_seconds += elapsed
+                drafting += elapsed
             s.result.target_forwards += 1
             s.result.accepted_per_forward.append(len(path))
             s.result.drafted_per_forward.append(max(tree.depths))
+            accepted.append(len(path) - 1)
             s.pending = nxt
             self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
+        if self.controller is not None:
+            self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
 
     def _pick(self, logits: Tensor) -> int:
         """logits [1, V] -> the target's token (greedy or sampled)."""
@@ -298,6 +318,13 @@ class GenerationBatch:
         longest = max(len(x) for x in self._stop)
         tail = self.tokenizer.decode(s.tokens[-(longest + 8) :])  # a token is at least a byte
         return any(x in tail for x in self._stop)
+
+
+def _speed_controller(spec: DraftSpec) -> SpeedController:
+    """Chains: any depth up to the spec's (N(K) = K nodes); trees: the tree or nothing."""
+    if spec.is_chain:
+        return SpeedController(list(range(1, spec.depth + 1)), nodes=lambda k: k)
+    return SpeedController([spec.depth], nodes=lambda k: spec.max_nodes)
 
 
 def _open_session(drafter, target: TargetModel, retrieval: Retrieval | None) -> DraftSession | None:

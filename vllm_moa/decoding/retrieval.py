@@ -144,6 +144,9 @@ class HybridSession:
         self.model.accept(tree, path, verified)
         self.history += tree.tokens[path].tolist()
 
+    def skip_round(self) -> None:
+        self.model.skip_round()
+
 
 def max_extra_nodes(retrieval: Retrieval | None, spec: DraftSpec) -> int:
     """Nodes a round may hold beyond spec.max_nodes (the context-window check)."""

@@ -14,41 +14,15 @@ tokens (accepted drafts + the target's own). The controller picks the K that max
 on a slow link net dominates and K grows (fewer, larger verifications); on a fast link with a
 costly drafter it shrinks. `a` is the maximum-likelihood rate of a geometric model over recent
 rounds (a round of depth K with k accepted is k successes and, if k < K, one failure), with
-exponential forgetting and a weak prior.
+exponential forgetting and a weak prior (the estimators of decoding/speed_control.py, which
+makes the same choice for the runtime's own rounds, plain decoding included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass
-class _Linear:
-    """y ~ a + b * x by exponentially weighted least squares (falls back to the mean)."""
-
-    decay: float
-    proportional: bool = False  # with one x seen so far: y ~ x (else y constant)
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-
-    def predict(self, x: float, default: float) -> float:
-        if self.sw == 0:
-            return default
-        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
-        var = self.sxx / self.sw - mean_x * mean_x
-        if var <= 1e-9:  # one x seen so far
-            return mean_y * x / mean_x if self.proportional and mean_x > 0 else mean_y
-        slope = max(0.0, (self.sxy / self.sw - mean_x * mean_y) / var)
-        return max(0.0, mean_y + slope * (x - mean_x))
+from vllm_moa.decoding.speed_control import GeometricAcceptance, WeightedLinearFit
 
 
 class DraftController:
@@ -62,22 +36,18 @@ class DraftController:
         self.max_depth, self.fixed, self.nodes = max_depth, fixed, nodes
         self.depth = min(init_depth, max_depth)
         self.decay = decay
-        self.successes, self.trials = prior_rate * prior_weight, prior_weight
+        self.acceptance = GeometricAcceptance(prior_rate, prior_weight, decay)
         self.net_s: float | None = None
-        self.server = _Linear(decay)  # a forward over a few dozen nodes costs about what one costs
-        self.draft = _Linear(decay, proportional=True)  # one drafter step per level
+        self.server = WeightedLinearFit(decay)  # a forward over a few dozen nodes costs about what one costs
+        self.draft = WeightedLinearFit(decay, proportional=True)  # one drafter step per level
 
     @property
     def rate(self) -> float:
         """Estimated per-level acceptance probability."""
-        return min(0.99, max(0.01, self.successes / self.trials))
+        return self.acceptance.rate
 
     def observe_acceptance(self, depth: int, accepted: int) -> None:
-        if depth <= 0:
-            return
-        d = self.decay
-        self.successes = d * self.successes + accepted
-        self.trials = d * self.trials + accepted + (1 if accepted < depth else 0)
+        self.acceptance.observe(depth, accepted)
 
     def observe_timing(self, depth: int, wall_s: float, server_s: float, draft_s: float | None) -> None:
         net = max(0.0, wall_s - server_s)
@@ -87,8 +57,7 @@ class DraftController:
             self.draft.add(depth, draft_s)
 
     def expected_tokens(self, depth: int) -> float:
-        a = self.rate
-        return (1 - a ** (depth + 1)) / (1 - a)
+        return self.acceptance.expected_tokens(depth)
 
     def round_time(self, depth: int) -> float:
         net = self.net_s if self.net_s is not None else 0.05

@@ -210,3 +210,22 @@ def test_streaming_stops_and_metrics(target, prompts, greedy):
         assert 0 < out.ttft <= out.seconds and 0 <= out.drafter_share <= 1
         assert out.acceptance_length >= 1 and len(out.acceptance_by_position(3)) == 3
     assert outs[1].finish_reason == "eos"
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("kind", ["moa-tli0", "eagle", "ngram"])
+def test_adaptive_rounds_keep_greedy_output(target, prompts, greedy, kind, shape):
+    """Acceptance estimated near 0 after the first round: plain rounds (the drafter catches up on
+    the accepted token) with a speculative probe now and then; every output is the target's."""
+    engine = SpeculativeEngine(target, make_drafter(kind, target), SPECS[shape], adaptive=True)
+    outputs, depths = [], []
+    for i in range(0, 12, 4):
+        batch = engine.start(prompts[i: i + 4], [NEW_TOKENS] * 4)
+        batch.controller.acceptance.successes = 0.0  # as if nothing was ever accepted
+        batch.controller.probe_every = 4
+        while batch.step():
+            pass
+        outputs += batch.results
+        depths += [d for r in batch.results for d in r.drafted_per_forward]
+    assert [r.token_ids for r in outputs] == greedy[:12]
+    assert 0 in depths and any(d > 0 for d in depths), depths

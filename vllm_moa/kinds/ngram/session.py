@@ -37,3 +37,6 @@ class NgramSession:
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.history += tree.tokens[path].tolist()
+
+    def skip_round(self) -> None:
+        pass  # lookup keeps nothing per round

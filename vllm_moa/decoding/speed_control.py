@@ -1,0 +1,141 @@
+"""Speculation that pays or turns itself down: the draft depth of each round, 0 (plain decoding)
+included, chosen from measured costs and acceptance.
+
+A round over B sequences at depth K (a chain of K tokens, or the configured tree at its depth)
+verifies N(K) + 1 tokens per sequence (N(K) = K for a chain, the tree's node budget for a tree) and
+yields, if each drafted level is accepted with probability a (a geometric model),
+
+    E(K) = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a)      tokens per sequence
+
+in time
+
+    t(B, K) = verify(B * (N(K) + 1)) + draft(B * K)
+
+verify: the target's forward, linear in the tokens it runs (an intercept: a forward over a few
+rows costs about what one row costs on a busy CPU, and more once the cores are saturated);
+draft: the drafter, proportional to the levels it drafts for all sequences. Both are exponentially
+weighted least-squares fits of the rounds measured so far; `a` is the maximum-likelihood rate over
+recent rounds (a round of depth K with k accepted is k successes and, if k < K, one failure) with
+a weak prior. After one speculative and one plain round, the controller picks the K that
+maximises B * E(K) / t(B, K); K = 0 is plain
+decoding (the drafter skips the round and catches up on the accepted token). While K = 0 is
+chosen, one round in `probe_every` drafts anyway, so that acceptance and cost estimates stay
+current (a batch that shrinks, a text that turns repetitive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class WeightedLinearFit:
+    """y ~ c + s * x by exponentially weighted least squares (the mean while one x was seen)."""
+
+    decay: float
+    proportional: bool = False  # with one x seen so far: y ~ x (else y constant)
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    @property
+    def seen(self) -> bool:
+        return self.sw > 0
+
+    @property
+    def spread(self) -> bool:
+        """More than one x seen (a slope can be fitted)."""
+        return self.sw > 0 and self.sxx / self.sw - (self.sx / self.sw) ** 2 > 1e-9
+
+    def predict(self, x: float, default: float) -> float:
+        if self.sw == 0:
+            return default
+        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mean_x * mean_x
+        if var <= 1e-9:  # one x seen so far
+            return mean_y * x / mean_x if self.proportional and mean_x > 0 else mean_y
+        slope = max(0.0, (self.sxy / self.sw - mean_x * mean_y) / var)
+        return max(0.0, mean_y + slope * (x - mean_x))
+
+
+class GeometricAcceptance:
+    """The per-level acceptance rate a of drafted tokens, with exponential forgetting and a prior."""
+
+    def __init__(self, prior_rate: float = 0.6, prior_weight: float = 4.0, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.successes, self.trials = prior_rate * prior_weight, prior_weight
+
+    @property
+    def rate(self) -> float:
+        return min(0.99, max(0.01, self.successes / self.trials))
+
+    def observe(self, depth: int, accepted: int) -> None:
+        if depth <= 0:
+            return
+        d = self.decay
+        self.successes = d * self.successes + accepted
+        self.trials = d * self.trials + accepted + (1 if accepted < depth else 0)
+
+    def expected_tokens(self, depth: int) -> float:
+        """E(depth): accepted drafts + the target's own token, per sequence and round."""
+        a = self.rate
+        return (1 - a ** (depth + 1)) / (1 - a)
+
+
+class SpeedController:
+    """Chooses each round's draft depth among `depths` (0 = plain decoding) for a batch of B
+    sequences; `nodes(K)` is the drafted nodes per sequence at depth K."""
+
+    def __init__(self, depths: list[int], nodes: Callable[[int], int], probe_every: int = 16,
+                 decay: float = 0.8) -> None:
+        if not depths or min(depths) < 1:
+            raise ValueError(f"speculative depths must be >= 1, got {depths}")
+        self.depths, self.nodes, self.probe_every = sorted(set(depths)), nodes, probe_every
+        self.acceptance = GeometricAcceptance(decay=decay)
+        self.verify = WeightedLinearFit(decay)
+        self.draft = WeightedLinearFit(decay, proportional=True)
+        self.plain_streak = 0
+        self.last_speculative = self.depths[-1]
+        self.chosen: dict[int, int] = {}  # depth -> rounds (what it did, for reports)
+
+    def round_time(self, batch: int, depth: int) -> float:
+        tokens = batch * (self.nodes(depth) + 1 if depth else 1)
+        return self.verify.predict(tokens, 0.01 * tokens) + (self.draft.predict(batch * depth, 0.0) if depth else 0.0)
+
+    def tokens_per_second(self, batch: int, depth: int) -> float:
+        per_sequence = self.acceptance.expected_tokens(depth) if depth else 1.0
+        return batch * per_sequence / max(1e-9, self.round_time(batch, depth))
+
+    def choose(self, batch: int) -> int:
+        """The depth of the next round over `batch` sequences."""
+        if not self.draft.seen:  # nothing measured yet: draft, and measure
+            depth = self.last_speculative
+        elif not self.verify.spread:  # a plain round's cost too, before comparing
+            depth = 0
+        else:
+            depth = max([0, *self.depths], key=lambda k: self.tokens_per_second(batch, k))
+            if depth == 0:
+                self.plain_streak += 1
+                if self.plain_streak >= self.probe_every:
+                    depth = self.last_speculative
+        if depth:
+            self.plain_streak = 0
+            self.last_speculative = depth
+        self.chosen[depth] = self.chosen.get(depth, 0) + 1
+        return depth
+
+    def observe(self, batch: int, depth: int, verify_s: float, draft_s: float, accepted: list[int]) -> None:
+        """A round's measurements: its target forward and drafting times, each sequence's accepted drafts."""
+        self.verify.add(batch * (self.nodes(depth) + 1 if depth else 1), verify_s)
+        if depth:
+            self.draft.add(batch * depth, draft_s)
+            for k in accepted:
+                self.acceptance.observe(depth, k)
