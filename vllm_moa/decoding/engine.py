@@ -98,6 +98,18 @@ class _Sequence:
     pending: int = -1
     emitted: int = 0
     done: bool = False
+    lag: list[tuple[int, TargetOutput]] = field(default_factory=list)  # plain rounds the drafter has not seen
+
+    def catch_up(self, device: torch.device) -> None:
+        """Run the drafter over the tokens of the plain rounds since it last drafted, in one call
+        (the tokens as one accepted chain of nodes it was never fed)."""
+        if not self.lag:
+            return
+        tokens = [token for token, _ in self.lag]
+        verified = _concat([rows for _, rows in self.lag])
+        self.lag = []
+        self.session.skip_round()
+        self.session.accept(DraftTree.chain(tokens[0], tokens[1:], device, fed=0), list(range(len(tokens))), verified)
 
     @property
     def tokens(self) -> list[int]:
@@ -248,12 +260,10 @@ class GenerationBatch:
         trees, drafting = [], 0.0
         for s in seqs:
             t0 = time.perf_counter()
-            if s.session is None:
-                tree = DraftTree.single(s.pending, device)
-            elif spec is None:  # plain decoding this round: the drafter catches up at acceptance
-                s.session.skip_round()
+            if s.session is None or spec is None:  # no drafter, or a plain round (the drafter lags)
                 tree = DraftTree.single(s.pending, device)
             else:
+                s.catch_up(device)
                 tree = s.session.propose(s.pending, spec, self._sampling, self._generator)
             elapsed = time.perf_counter() - t0
             s.result.drafter_seconds += elapsed
@@ -272,7 +282,9 @@ class GenerationBatch:
             else:
                 path, nxt = sampled_accept(tree, self._sampling.probs(logits), self._generator)
             cache.commit(row, path)
-            if s.session is not None:
+            if s.session is not None and spec is None:
+                s.lag.append((s.pending, _rows(out, row, path)))
+            elif s.session is not None:
                 t0 = time.perf_counter()
                 s.session.accept(tree, path, _rows(out, row, path))
                 elapsed = time.perf_counter() - t0
@@ -330,6 +342,18 @@ def _speed_controller(spec: DraftSpec) -> SpeedController:
 def _open_session(drafter, target: TargetModel, retrieval: Retrieval | None) -> DraftSession | None:
     session = kinds.open_runtime_session(drafter, target)
     return session if retrieval is None or session is None else HybridSession(session, retrieval)
+
+
+def _concat(parts: list[TargetOutput]) -> TargetOutput:
+    """Outputs of consecutive tokens (_rows of successive rounds) as one, along the token axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return TargetOutput(
+        torch.cat([p.logits for p in parts], dim=1),
+        [torch.cat(hs, dim=1) for hs in zip(*(p.hidden_states for p in parts))],
+        [torch.cat(ks, dim=2) for ks in zip(*(p.keys for p in parts))],
+        [torch.cat(vs, dim=2) for vs in zip(*(p.values for p in parts))],
+    )
 
 
 def _rows(out: TargetOutput, row: int, nodes: list[int]) -> TargetOutput:

@@ -18,7 +18,8 @@ weighted least-squares fits of the rounds measured so far; `a` is the maximum-li
 recent rounds (a round of depth K with k accepted is k successes and, if k < K, one failure) with
 a weak prior. After one speculative and one plain round, the controller picks the K that
 maximises B * E(K) / t(B, K); K = 0 is plain
-decoding (the drafter skips the round and catches up on the accepted token). While K = 0 is
+decoding: the drafter does not run at all (the engine keeps the target's outputs of those tokens
+and runs the drafter over all of them in one call when it drafts again). While K = 0 is
 chosen, one round in `probe_every` drafts anyway, so that acceptance and cost estimates stay
 current (a batch that shrinks, a text that turns repetitive).
 """

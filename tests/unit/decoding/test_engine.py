@@ -229,3 +229,23 @@ def test_adaptive_rounds_keep_greedy_output(target, prompts, greedy, kind, shape
         depths += [d for r in batch.results for d in r.drafted_per_forward]
     assert [r.token_ids for r in outputs] == greedy[:12]
     assert 0 in depths and any(d > 0 for d in depths), depths
+
+
+@pytest.mark.parametrize("kind", ["moa-tli0", "moa-tli1", "eagle", "independent"])
+def test_adaptive_drafter_catches_up_to_a_fresh_computation(target, prompts, greedy, kind):
+    """Plain rounds leave the drafter behind; the next speculative round first runs it over those
+    tokens in one call: right after it, its caches equal a fresh session's on the sequence so far."""
+    drafter = make_drafter(kind, target)
+    engine = SpeculativeEngine(target, drafter, SPECS["chain"], adaptive=True)
+    batch = engine.start(prompts[:4], [NEW_TOKENS] * 4)
+    batch.controller.acceptance.successes = 0.0
+    batch.controller.probe_every = 4
+    caught_up = 0
+    while batch.step():
+        for seq in batch.active:
+            if seq.result.drafted_per_forward[-1] > 0 and seq.result.drafted_per_forward[-2:-1] == [0]:
+                prefix = seq.prompt + seq.tokens[:-1]
+                _assert_same_caches(kind, seq.session, _fresh_session(kind, drafter, target, prefix))
+                caught_up += 1
+    assert caught_up > 0
+    assert [r.token_ids for r in batch.results] == greedy[:4]
