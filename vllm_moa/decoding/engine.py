@@ -98,15 +98,16 @@ class _Sequence:
     pending: int = -1
     emitted: int = 0
     done: bool = False
-    lag: list[tuple[int, TargetOutput]] = field(default_factory=list)  # plain rounds the drafter has not seen
+    lag: list[tuple[int, TargetOutput, int]] = field(default_factory=list)  # plain rounds the drafter has not
+    # seen: (token, that round's target output, the sequence's row in it)
 
     def catch_up(self, device: torch.device) -> None:
         """Run the drafter over the tokens of the plain rounds since it last drafted, in one call
         (the tokens as one accepted chain of nodes it was never fed)."""
         if not self.lag:
             return
-        tokens = [token for token, _ in self.lag]
-        verified = _concat([rows for _, rows in self.lag])
+        tokens = [token for token, _, _ in self.lag]
+        verified = _concat([_rows(out, row, [0]) for _, out, row in self.lag])
         self.lag = []
         self.session.skip_round()
         self.session.accept(DraftTree.chain(tokens[0], tokens[1:], device, fed=0), list(range(len(tokens))), verified)
@@ -283,7 +284,7 @@ class GenerationBatch:
                 path, nxt = sampled_accept(tree, self._sampling.probs(logits), self._generator)
             cache.commit(row, path)
             if s.session is not None and spec is None:
-                s.lag.append((s.pending, _rows(out, row, path)))
+                s.lag.append((s.pending, out, row))
             elif s.session is not None:
                 t0 = time.perf_counter()
                 s.session.accept(tree, path, _rows(out, row, path))

@@ -21,7 +21,8 @@ maximises B * E(K) / t(B, K); K = 0 is plain
 decoding: the drafter does not run at all (the engine keeps the target's outputs of those tokens
 and runs the drafter over all of them in one call when it drafts again). While K = 0 is
 chosen, one round in `probe_every` drafts anyway, so that acceptance and cost estimates stay
-current (a batch that shrinks, a text that turns repetitive).
+current (a batch that shrinks, a text that turns repetitive); a probe that does not change the
+verdict doubles that interval (up to `max_probe_every`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,12 @@ class SpeedController:
     sequences; `nodes(K)` is the drafted nodes per sequence at depth K."""
 
     def __init__(self, depths: list[int], nodes: Callable[[int], int], probe_every: int = 16,
-                 decay: float = 0.8) -> None:
+                 max_probe_every: int = 128, decay: float = 0.8) -> None:
         if not depths or min(depths) < 1:
             raise ValueError(f"speculative depths must be >= 1, got {depths}")
-        self.depths, self.nodes, self.probe_every = sorted(set(depths)), nodes, probe_every
+        self.depths, self.nodes = sorted(set(depths)), nodes
+        self.probe_every, self.min_probe_every, self.max_probe_every = probe_every, probe_every, max_probe_every
+        self.probing = False  # the last speculative round was a probe
         self.acceptance = GeometricAcceptance(decay=decay)
         self.verify = WeightedLinearFit(decay)
         self.draft = WeightedLinearFit(decay, proportional=True)
@@ -124,9 +127,14 @@ class SpeedController:
         else:
             depth = max([0, *self.depths], key=lambda k: self.tokens_per_second(batch, k))
             if depth == 0:
+                if self.probing:  # the probe did not change the verdict: probe half as often
+                    self.probe_every = min(self.max_probe_every, 2 * self.probe_every)
+                self.probing = False
                 self.plain_streak += 1
                 if self.plain_streak >= self.probe_every:
-                    depth = self.last_speculative
+                    depth, self.probing = self.last_speculative, True
+            elif not self.probing:  # speculation pays on its own estimate
+                self.probe_every = self.min_probe_every
         if depth:
             self.plain_streak = 0
             self.last_speculative = depth

@@ -32,8 +32,9 @@ def test_speculates_where_verification_is_nearly_free_and_turns_off_where_it_is_
     compute_bound = lambda tokens: 0.01 + 0.004 * tokens  # noqa: E731 (a large batch: every token costs)
     chosen = simulate(16, compute_bound, 0.004, rate=0.3)
     plain = chosen.get(0, 0)
-    assert plain > 0.85 * 300, chosen
-    assert sum(chosen.values()) - plain >= 300 // 16 - 2  # it keeps probing, about one round in 16
+    assert plain > 0.95 * 300, chosen
+    # it keeps probing: after 16 plain rounds, then 32, 64, 128 (each probe that changes nothing doubles it)
+    assert 3 <= sum(chosen.values()) - plain <= 8, chosen
 
 
 def test_acceptance_decides_at_equal_costs():
