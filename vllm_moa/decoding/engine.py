@@ -257,7 +257,7 @@ class GenerationBatch:
     def _round(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
         device = self.target.device
         depth = None if self.controller is None else self.controller.choose(len(seqs))
-        spec = self.spec if depth is None or depth == self.spec.depth else DraftSpec.chain(depth) if depth else None
+        spec = self._spec_at(depth)
         trees, drafting = [], 0.0
         for s in seqs:
             t0 = time.perf_counter()
@@ -299,6 +299,13 @@ class GenerationBatch:
             self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
         if self.controller is not None:
             self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
+
+    def _spec_at(self, depth: int | None) -> DraftSpec | None:
+        """What to draft at the controller's depth (None: no controller): the engine's spec, a
+        shorter chain, or nothing (0: a plain round)."""
+        if depth is None or depth == self.spec.depth:
+            return self.spec
+        return DraftSpec.chain(depth) if depth else None
 
     def _pick(self, logits: Tensor) -> int:
         """logits [1, V] -> the target's token (greedy or sampled)."""

@@ -135,6 +135,16 @@ def check_model_runner(v2_env_value: str | None) -> None:
 
 
 # -- draft trees ----------------------------------------------------------------------------------
+def check_object_keys(field: str, value: Any, allowed: tuple[str, ...], example: str, hint: str) -> None:
+    """A speculative_config object option: a dict whose keys are among `allowed`."""
+    if not isinstance(value, dict):
+        raise UnsupportedMoASetup(f"{field} must be an object like {example}, got {value!r}")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise UnsupportedMoASetup(f"unknown key(s) {unknown} in {field}; {hint} {list(allowed)} "
+                                  "(the node budget is num_speculative_tokens)")
+
+
 TREE_FIELD = "moa_tree"  # speculative_config key (patches.TreeFieldPatch declares it on SpeculativeConfig)
 TREE_KEYS = ("depth", "top_k")
 MAX_TREE_NODES = 64  # kernels.tree: a node's ancestors are one int64 bitmask
@@ -149,13 +159,7 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
 
     if moa_tree is None:
         return None
-    if not isinstance(moa_tree, dict):
-        raise UnsupportedMoASetup(f"{TREE_FIELD} must be an object like {{\"depth\": 5, \"top_k\": 4}}, "
-                                  f"got {moa_tree!r}")
-    unknown = sorted(set(moa_tree) - set(TREE_KEYS))
-    if unknown:
-        raise UnsupportedMoASetup(f"unknown key(s) {unknown} in {TREE_FIELD}; it takes {list(TREE_KEYS)} "
-                                  "(the node budget is num_speculative_tokens)")
+    check_object_keys(TREE_FIELD, moa_tree, TREE_KEYS, '{"depth": 5, "top_k": 4}', "it takes")
     values = {}
     for key in TREE_KEYS:
         value = moa_tree.get(key)
@@ -199,13 +203,8 @@ def retrieval_options(moa_retrieval: Any) -> Any:
 
     if moa_retrieval is None:
         return None
-    if not isinstance(moa_retrieval, dict):
-        raise UnsupportedMoASetup(f"{RETRIEVAL_FIELD} must be an object like {{\"max_ngram\": 4, \"alone_at\": 3}}, "
-                                  f"got {moa_retrieval!r}")
-    unknown = sorted(set(moa_retrieval) - set(RETRIEVAL_IN_VLLM))
-    if unknown:
-        raise UnsupportedMoASetup(f"unknown key(s) {unknown} in {RETRIEVAL_FIELD}; inside vLLM it takes "
-                                  f"{list(RETRIEVAL_IN_VLLM)} (the node budget is num_speculative_tokens)")
+    check_object_keys(RETRIEVAL_FIELD, moa_retrieval, RETRIEVAL_IN_VLLM, '{"max_ngram": 4, "alone_at": 3}',
+                      "inside vLLM it takes")
     try:
         return Retrieval(**moa_retrieval)
     except ValidationError as err:

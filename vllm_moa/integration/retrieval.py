@@ -24,7 +24,7 @@ No vLLM import here: the proposer hands in plain token lists.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,7 +39,6 @@ class LookupPlan:
     lookup this step, else None."""
 
     found: list[list[list[int]] | None]
-    pendings: list[int] = field(default_factory=list)
 
     @property
     def rows(self) -> list[int]:
@@ -60,7 +59,7 @@ def plan_lookups(options: Retrieval, histories: Sequence[Sequence[int]], pending
         found = continuations(history, pending, options.max_ngram, options.min_ngram, length, 4 * options.branches)
         found = sorted(found, key=len, reverse=True)[: options.branches]  # stable: recency among equals
         plan.append(found if found and len(found[0]) >= threshold else None)
-    return LookupPlan(plan, list(pendings))
+    return LookupPlan(plan)
 
 
 def lookup_chain(found: list[list[int]], count: int) -> list[int]:

@@ -24,7 +24,7 @@ from tiny_vocab import (  # noqa: E402
     exact_distribution,
     tiny_models,
 )
-from vllm_env import ENGINE, ENGINE_ENV, TARGET, engine, engine_available, moa, prompts  # noqa: E402
+from vllm_env import ENGINE, ENGINE_ENV, TARGET, engine, engine_available, first_difference, moa, prompts  # noqa: E402
 
 from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
@@ -37,15 +37,11 @@ DEFAULTS = ()  # moa_retrieval: {} (every default)
 WIDE = (12, (2, 4))  # a tree of 12 nodes: depth 2, 4 children per node
 
 
-def _first_difference(got, want) -> int:
-    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-
-
 def _assert_plain(run, what: str) -> None:
     plain = engine().passes[0].outputs
     for pass_ in run.passes:
         for i, (got, want) in enumerate(zip(pass_.outputs, plain, strict=True)):
-            assert got == want, f"{what}: prompt {i} (len {len(prompts()[i])}) differs at {_first_difference(got, want)}"
+            assert got == want, f"{what}: prompt {i} (len {len(prompts()[i])}) differs at {first_difference(got, want)}"
 
 
 def test_greedy_chains_with_lookup_equal_plain_vllm_and_accept_more():

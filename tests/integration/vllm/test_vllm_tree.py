@@ -27,7 +27,17 @@ from tiny_vocab import (  # noqa: E402
     exact_distribution,
     tiny_models,
 )
-from vllm_env import DRAFTER_TLI1, ENGINE, ENGINE_ENV, TARGET, engine, engine_available, moa, prompts  # noqa: E402
+from vllm_env import (  # noqa: E402
+    DRAFTER_TLI1,
+    ENGINE,
+    ENGINE_ENV,
+    TARGET,
+    engine,
+    engine_available,
+    first_difference,
+    moa,
+    prompts,
+)
 
 from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
@@ -45,10 +55,6 @@ SHAPES = {
 }
 
 
-def _first_difference(got, want) -> int:
-    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_greedy_trees_equal_plain_vllm_token_for_token(shape):
     budget, tree = SHAPES[shape]
@@ -56,7 +62,7 @@ def test_greedy_trees_equal_plain_vllm_token_for_token(shape):
     spec = engine("moa", budget, passes=2, tree=tree)
     for run in spec.passes:  # pass 2 hits the prefix cache
         for i, (got, want) in enumerate(zip(run.outputs, plain.passes[0].outputs, strict=True)):
-            assert got == want, f"{shape}: prompt {i} (len {len(prompts()[i])}) differs at {_first_difference(got, want)}"
+            assert got == want, f"{shape}: prompt {i} (len {len(prompts()[i])}) differs at {first_difference(got, want)}"
     assert spec.prefix_cache_hits > 0
     counters = spec.spec_decode
     assert counters.drafts > 0 and counters.draft_tokens == budget * counters.drafts

@@ -86,6 +86,11 @@ def prompts() -> list[list[int]]:
     return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
 
 
+def first_difference(got, want) -> int:
+    """The first index where two token lists differ (the shorter's length if one extends the other)."""
+    return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
         retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
     """speculative_config of MoA: a chain of k, or (tree = (depth, top_k)) a tree of k nodes;
