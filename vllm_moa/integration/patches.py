@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: eleven declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: twelve declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -23,6 +23,9 @@
     CPUExpandPatch            rejection_sampler.expand_batch_to_tokens
                                                                 per-token temperature / top-k / top-p
                                                                 computed in torch on CPU tensors
+    CPUTopKOnlyPatch          topk_topp_sampler.apply_top_k_only
+                                                                no rows, nothing to mask (vLLM's
+                                                                k.max() on no rows killed the engine)
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
@@ -378,14 +381,37 @@ class CPUExpandPatch(VllmPatch):
         setattr(owner, attr, expand_batch_to_tokens)
 
 
+class CPUTopKOnlyPatch(VllmPatch):
+    """vLLM 0.32 builds spec-decode metadata for every step of a speculative engine, drafts or
+    not, so a step in which no request has drafts (every prefill step, for one) hands the
+    rejection sampler zero draft rows. On CPU, a batch with top-k and no top-p then goes through
+    `apply_top_k_only`, whose `k.max()` fails on an empty tensor: the engine dies (vLLM's own
+    ngram too; reproduction without vllm-moa in docs/vllm-cpu-sampling.md). With no rows there
+    is nothing to mask, so the logits are returned as they are."""
+
+    symbol = "top_k_only"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def apply_top_k_only(logits, k):
+            if logits.shape[0] == 0:
+                return logits
+            return original(logits, k)
+
+        setattr(owner, attr, apply_top_k_only)
+
+
 # "1": fix vLLM's CPU rejection sampler for every method; "0": for none (to measure the defect);
 # unset: for engines whose speculative method is "moa"
 FIX_CPU_SAMPLER_ENV = "VLLM_MOA_FIX_CPU_SAMPLER"
 
 
 def apply_cpu_sampler_fix(moa_engine: bool) -> bool:
-    """Apply CPUExpandPatch where the defect is live (vllm-cpu's C++ kernels in this process, a
-    vLLM of CPU_SAMPLER_SERIES) and wanted (FIX_CPU_SAMPLER_ENV; `moa_engine`: this process runs
+    """Apply CPUExpandPatch and CPUTopKOnlyPatch where the defects are live (vllm-cpu's C++
+    kernels in this process, a vLLM of CPU_SAMPLER_SERIES) and wanted (FIX_CPU_SAMPLER_ENV; `moa_engine`: this process runs
     a "moa" engine); returns whether it is applied."""
     setting = envs.VLLM_MOA_FIX_CPU_SAMPLER  # None: moa engines only
     if setting is False or (not moa_engine and not setting):
@@ -397,6 +423,7 @@ def apply_cpu_sampler_fix(moa_engine: bool) -> bool:
     if not kernel_override_active():
         return False
     CPUExpandPatch.apply()
+    CPUTopKOnlyPatch.apply()
     return True
 
 

@@ -2,8 +2,9 @@
 
 vLLM calls `register()` once in every process it starts (API server, engine core, workers)
 before it builds configs or loads models. It must be cheap and idempotent and must not touch
-CUDA: it checks the vLLM version, applies the declared patches (patches.py) and registers the
-drafter's model class (lazily, by string) and config class. Importing this module imports
+CUDA: it checks the vLLM version, applies the declared patches (patches.py), installs the
+start-up refusal hook (startup_errors.py) and registers the drafter's model class (lazily, by
+string) and config class. Importing this module imports
 neither vLLM nor torch.
 
 Environment:
@@ -49,10 +50,11 @@ def register() -> bool:
 
     from vllm import ModelRegistry
 
-    from vllm_moa.integration import patches
+    from vllm_moa.integration import patches, startup_errors
     from vllm_moa.integration.draft_config import register_hf_config
 
     patches.apply_all()
+    startup_errors.install()  # `vllm serve` with a bad "moa" config: one line, no traceback
     if envs.VLLM_MOA_FIX_CPU_SAMPLER and patches.apply_cpu_sampler_fix(moa_engine=False):
         logger.info("vllm-moa: vLLM's CPU rejection sampler fixed for every method (%s=1)", patches.FIX_CPU_SAMPLER_ENV)
     register_hf_config()

@@ -267,11 +267,22 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
     return report
 
 
-def ship(work: Path, destination: Path, names: list[str] | None = None) -> int:
-    """Copy the trained drafters as fp16 safetensors (+ card) into `destination`; returns bytes."""
+def write_fp16(src: Path, dst: Path) -> None:
+    """A drafter directory (config.json + model.safetensors) copied with its float weights in fp16."""
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(torch.float16) if v.is_floating_point() else v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(src / "config.json", dst / "config.json")
+
+
+def ship(work: Path, destination: Path, names: list[str] | None = None) -> int:
+    """Copy the trained drafters as fp16 safetensors (+ card) into `destination`; returns bytes."""
+    import shutil
 
     report = json.loads((work / "report.json").read_text())
     names = [n for n in (names or list(DRAFTERS)) if n in report.get("drafters", {})]
@@ -279,12 +290,7 @@ def ship(work: Path, destination: Path, names: list[str] | None = None) -> int:
         shutil.rmtree(destination)
     destination.mkdir(parents=True)
     for name in names:
-        src, dst = work / name / "drafter", destination / name
-        dst.mkdir()
-        tensors = {k: v.to(torch.float16) if v.is_floating_point() else v
-                   for k, v in load_file(str(src / "model.safetensors")).items()}
-        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy(src / "config.json", dst / "config.json")
+        write_fp16(work / name / "drafter", destination / name)
     card = {k: v for k, v in report.items() if k != "drafters"}
     card["drafters"] = {n: report["drafters"][n] for n in names}
     card["responses"] = {k: v for k, v in card.get("responses", {}).items() if k != "heldout_prompt_ids"}
@@ -333,6 +339,17 @@ def model_card(report: dict) -> str:
         agreement = " / ".join(f"{a:.3f}" for a in d["heldout_agreement_by_depth"][1:])
         lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.0f} min | "
                      f"{d['device']}, {d['torch_threads']} threads |")
+    for name, d in report["drafters"].items():
+        if "long_run" in d:
+            run = d["long_run"]
+            lines += ["", f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, "
+                      f"warm-started from the drafter above): +{run['steps']:,} steps x {run['batch_size']} sequences "
+                      f"of the same {run['sequences']:,}, {run['target_tokens']:,} target tokens, AdamW lr "
+                      f"{run['lr']} decaying linearly over {run['schedule_steps']:,} steps, bf16 where the CPU has it; "
+                      f"{run['train_seconds_recorded'] / 3600:.1f} h of training recorded since step "
+                      f"{run['recorded_since_step']} on {run['cores']} shared cores (nice 19). Shipped from its "
+                      f"checkpoint at step {run['steps']}; the table gives its agreement (before: "
+                      + " / ".join(f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."]
     lines += ["", "Sample prompts:", ""] + [f"* {s[:160]}" for s in p.get("samples", [])]
     return "\n".join(lines) + "\n"
 

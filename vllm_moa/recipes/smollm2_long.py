@@ -13,6 +13,12 @@ sessions and machines:
   the drafter starts from the shipped one (vllm_moa/assets/smollm2) unless --from-scratch;
 * checkpoints every --checkpoint-minutes (default 10) and when --hours run out; progress in
   metrics.jsonl; held-out agreement by depth at the end in --work/<drafter>/long_report.json.
+
+    python -m vllm_moa.recipes.smollm2_long --drafter moa-tli0 --ship [--checkpoint DIR]
+
+ships the newest checkpoint (or DIR) instead of training: fp16 weights into vllm_moa/assets/smollm2,
+the card's entry for the drafter updated with the run (steps, target tokens, recorded time) and
+the held-out agreement, measured here, before and after.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from pathlib import Path
 import torch
 
 from vllm_moa import envs
-from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary, provenance
-from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary, model_card, provenance, write_fp16
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
 
 DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
@@ -60,6 +66,57 @@ def warm_start(trainer, name: str) -> bool:
     return True
 
 
+def heldout_agreement(drafter_dir: Path, name: str, target, held: list[DraftExample],
+                      recipe: SmolRecipe) -> list[float | None]:
+    """The trainer's held-out agreement by depth (0..eval_depth) of the drafter in `drafter_dir`, in
+    fp32 (drafters trained in bf16 or shipped in fp16 compare on equal terms)."""
+    import tempfile
+
+    from vllm_moa.models import load_drafter
+    from vllm_moa.training.trainer import TrainConfig, Trainer
+
+    loaded = load_drafter(drafter_dir, target)
+    kind, tli, options = DRAFTERS[name]
+    vocab = loaded.draft_vocab
+    if vocab is not None:
+        options = {**options, "draft_vocab_size": int(vocab.numel())}
+    with tempfile.TemporaryDirectory() as out:
+        config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=1, batch_size=8,
+                             max_length=recipe.max_length, eval_depth=recipe.eval_depth, output_dir=out,
+                             precision="fp32", seed=recipe.seed, progress=False)
+        trainer = Trainer(config, target, held, held, draft_vocab=vocab)
+        trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+        return trainer.evaluate()
+
+
+def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExample], held: list[DraftExample],
+                    recipe: SmolRecipe, destination: Path = SHIPPED) -> dict:
+    """Ship a long-run checkpoint of drafter `name`: fp16 weights into destination/name, and the
+    card's entry for it (card.json, README.md) with the run and the held-out agreement before and
+    after. Returns the entry."""
+    state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
+    config, steps = state["config"], int(state["step"])
+    before = heldout_agreement(destination / name, name, target, held, recipe)
+    after = heldout_agreement(checkpoint / "drafter", name, target, held, recipe)
+    tokens = sum(min(len(train[i].input_ids), config["max_length"])  # the data order is a function of (seed, step)
+                 for step in range(steps)
+                 for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"]))
+    write_fp16(checkpoint / "drafter", destination / name)
+    card = json.loads((destination / "card.json").read_text())
+    entry = card["drafters"][name]
+    entry["heldout_agreement_by_depth"] = after
+    entry["long_run"] = {
+        "steps": steps, "batch_size": config["batch_size"], "sequences": len(train), "target_tokens": tokens,
+        "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
+        "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)), 1),
+        "recorded_since_step": steps - int(state.get("timed_steps", 0)), "cores": os.cpu_count(),
+        "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": provenance(),
+    }
+    (destination / "card.json").write_text(json.dumps(card, indent=2))
+    (destination / "README.md").write_text(model_card(card))
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", choices=sorted(DRAFTERS), default="moa-tli0")
@@ -74,6 +131,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="with --ship: this step-NNNNNN directory")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -92,6 +151,12 @@ def main() -> None:
     train, held = load_dataset()
     if args.sequences:
         train = train[: args.sequences]
+    if args.ship:
+        checkpoints = args.work / args.drafter / "checkpoints"
+        checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
+        entry = ship_checkpoint(args.drafter, checkpoint, target, train, held, recipe)
+        print(json.dumps({k: v for k, v in entry.items() if k != "provenance"}, indent=2))
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     features = build_feature_cache(target, train, args.work / f"features-{len(train)}", recipe.max_length,
                                    tli_depths=(1,), progress=not args.no_progress)

@@ -188,6 +188,9 @@ class Trainer:
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
         self.step = 0
+        # training time of this run and the runs it resumed, over the last `timed_steps` steps
+        # (checkpoints written before the time was recorded carry none)
+        self.train_seconds, self.timed_steps = 0.0, 0
 
     # -- distributed helpers ------------------------------------------------------------------
     @property
@@ -245,6 +248,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         config, step = self.config, self.step
+        started = time.perf_counter()
         indices = self._local_indices(step)
         examples = [self.train_examples[i] for i in indices]
         self.drafter.train()
@@ -264,6 +268,8 @@ class Trainer:
         totals = self._all_reduce(torch.stack([parts.total.detach(), parts.kl, parts.feature]).float())
         hits, counts = self._all_reduce(hits), self._all_reduce(counts)
         self.step += 1
+        self.train_seconds += time.perf_counter() - started
+        self.timed_steps += 1
         return {
             "step": self.step,
             "loss": (totals[0] / global_count).item(),
@@ -305,7 +311,8 @@ class Trainer:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.checkpoint_root))
         self.drafter.save_pretrained(tmp / "drafter")
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "step": self.step, "config": self.config.model_dump(mode="json")}, tmp / "trainer_state.pt")
+                    "step": self.step, "config": self.config.model_dump(mode="json"),
+                    "train_seconds": self.train_seconds, "timed_steps": self.timed_steps}, tmp / "trainer_state.pt")
         replace_directory(tmp, final)
         _write_atomic(self.checkpoint_root / "latest", final.name)
         # prune older checkpoints of this run only: never the new one, never a later step (a
@@ -345,6 +352,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
+            self.train_seconds = float(state.get("train_seconds", 0.0))  # absent before they were recorded
+            self.timed_steps = int(state.get("timed_steps", 0))
         except DrafterTargetMismatch as err:
             raise CheckpointError(f"checkpoint {path} was trained for another target: {err}") from None
         except Exception as err:  # safetensors, shapes, optimizer state

@@ -58,6 +58,57 @@ def test_vllm_cpus_own_expand_kernel_loses_float_outputs():
     assert got["temperature"] != pytest.approx([0.7, 0.7, 0.7, 1.3, 1.3])
 
 
+PRISTINE_TOP_K_ONLY = r"""
+import json, torch
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+metadata = SamplingMetadata(
+    temperature=torch.tensor([0.7]), all_greedy=False, all_random=True, top_p=None,
+    top_k=torch.tensor([20], dtype=torch.int32), generators={}, max_num_logprobs=None, no_penalties=True,
+    prompt_token_ids=None, frequency_penalties=torch.zeros(1), presence_penalties=torch.zeros(1),
+    repetition_penalties=torch.ones(1), output_token_ids=[[]], allowed_token_ids_mask=None,
+    bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+try:  # a step in which the one request has no drafts: zero draft rows
+    out = apply_sampling_constraints(torch.zeros(0, 100), torch.tensor([0], dtype=torch.int32), metadata)
+    print(json.dumps({"rows": out.shape[0]}))
+except RuntimeError as err:
+    print(json.dumps({"error": str(err)}))
+"""
+
+
+def _top_k_only_on_no_rows(plugin: str) -> dict:
+    import json
+
+    env = dict(os.environ, VLLM_MOA_PLUGIN=plugin)
+    code = PRISTINE_TOP_K_ONLY if plugin == "0" else PRISTINE_TOP_K_ONLY.replace(
+        "import json, torch", "import json, torch\nfrom vllm_moa.integration import patches\n"
+        "patches.CPUTopKOnlyPatch.apply()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_cpus_top_k_only_path_fails_on_a_step_without_drafts():
+    """The upstream defect, without vllm-moa: vLLM 0.32 hands the rejection sampler zero draft rows
+    on every step without drafts, and on CPU a top-k batch without top-p dies in apply_top_k_only
+    (in the engine: EngineDeadError). When this fails, vLLM fixed it: drop CPUTopKOnlyPatch."""
+    assert "Expected reduction dim" in _top_k_only_on_no_rows("0")["error"]
+
+
+def test_top_k_only_patch_passes_no_rows_through_and_leaves_rows_to_vllm():
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    assert _top_k_only_on_no_rows("1") == {"rows": 0}
+    patches.CPUTopKOnlyPatch.apply()
+    logits = torch.randn(3, 50)
+    masked = topk_topp_sampler.apply_top_k_only(logits.clone(), torch.tensor([2, 50, 7]))
+    assert (masked[0] > -float("inf")).sum() == 2 and (masked[1] > -float("inf")).sum() == 50
+    assert torch.equal(masked[2].topk(7).values, logits[2].topk(7).values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
 def test_expand_is_the_kernels_contract(dtype):
     x = torch.tensor([7, -1, 3], dtype=dtype)

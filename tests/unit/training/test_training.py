@@ -112,8 +112,10 @@ def test_resume_continues_exactly(tmp_path):
         interrupted.train_step()
     interrupted.save_checkpoint()
     resumed = Trainer(_config(tmp_path / "b"), target, data)
+    resumed.load_checkpoint()
+    assert resumed.timed_steps == 3 and resumed.train_seconds == interrupted.train_seconds > 0  # carried over
     resumed.train(resume=True)
-    assert resumed.step == 6
+    assert resumed.step == 6 and resumed.timed_steps == 6
     for (name, a), (_, b) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
         torch.testing.assert_close(a, b, msg=name)
 
