@@ -96,7 +96,8 @@ def odd_cases(model: str, prompt: str) -> list[tuple[str, str, dict, tuple | Non
     base = {"model": model, "prompt": prompt}
     chat = {"model": model, "messages": [{"role": "user", "content": prompt}]}
     return [
-        ("temperature 1e-40 (greedy)", "completions", {**base, "temperature": 1e-40, "max_tokens": 16}, 16),
+        # vLLM raises temperatures in (0, 0.01) to 0.01: sampled, not greedy
+        ("temperature 1e-40", "completions", {**base, "temperature": 1e-40, "max_tokens": 16}, None),
         ("greedy + logprobs 5", "completions", {**base, "temperature": 0, "logprobs": 5, "max_tokens": 16}, 16),
         ("chat greedy + top_logprobs 5", "chat/completions",
          {**chat, "temperature": 0, "logprobs": True, "top_logprobs": 5, "max_tokens": 16}, 16),

@@ -88,6 +88,15 @@ class Server:
         except psutil.Error:
             return 0
 
+    def rss_by_process(self) -> dict[str, float]:
+        """MiB per process of the tree, by name (API server, engine core, worker)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            return {f"{p.pid} {' '.join(p.cmdline()[:3])[-60:]}": round(p.memory_info().rss / 2**20, 1)
+                    for p in [root, *root.children(recursive=True)]}
+        except psutil.Error:
+            return {}
+
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
@@ -170,8 +179,9 @@ def _finish(row: dict, status: int, response: httpx.Response, job: Job) -> None:
 
 
 # -- a load run ------------------------------------------------------------------------------------
-async def run_load(server: Server, jobs: list[Job]) -> tuple[list[dict], list[tuple[float, int]], list[dict]]:
-    """Every job, stage by stage; (rows, rss samples (t, bytes), stages)."""
+async def run_load(server: Server, jobs: list[Job]) -> tuple[list[dict], list[tuple[float, int]], list[dict], dict]:
+    """Every job, stage by stage; (rows, rss samples (t, bytes), stages, MiB per process at the
+    start, after the warm-up and at the end)."""
     started = time.monotonic()
     rss: list[tuple[float, int]] = []
     done = asyncio.Event()
@@ -182,6 +192,7 @@ async def run_load(server: Server, jobs: list[Job]) -> tuple[list[dict], list[tu
             await asyncio.sleep(1.0)
 
     sampler = asyncio.create_task(sample())
+    by_process = {"start": server.rss_by_process()}
     rows: list[dict] = []
     stages: list[dict] = []
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -199,13 +210,16 @@ async def run_load(server: Server, jobs: list[Job]) -> tuple[list[dict], list[tu
 
             t0 = time.monotonic() - started
             rows += await asyncio.gather(*(one(j) for j in stage_jobs))
+            if i == 0:
+                by_process["after warm-up"] = server.rss_by_process()
             stages.append({"concurrency": concurrency, "requests": len(stage_jobs), "start_s": round(t0, 2),
                            "end_s": round(time.monotonic() - started, 2)})
             print(f"  stage c={concurrency}: {len(stage_jobs)} requests in "
                   f"{stages[-1]['end_s'] - t0:.0f} s", flush=True)
     done.set()
     await sampler
-    return rows, rss, stages
+    by_process["end"] = server.rss_by_process()
+    return rows, rss, stages, by_process
 
 
 async def references(url: str, model: str, pool: list[dict], keys: set[tuple]) -> dict[tuple, str]:
@@ -361,7 +375,7 @@ def main() -> None:
                 print(f"  {len(refs)} greedy references in {time.monotonic() - t0:.0f} s", flush=True)
             if name not in args.servers:
                 continue
-            rows, rss, stages = asyncio.run(run_load(server, jobs))
+            rows, rss, stages, by_process = asyncio.run(run_load(server, jobs))
             healthy = server.healthy()
             deaths = int(server.proc.poll() is not None or not healthy
                          or "EngineDeadError" in server.log_path.read_text(errors="replace"))
@@ -373,6 +387,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in summary.items() if k not in ("unexpected_examples", "statuses_by_case")}),
                   flush=True)
             results["servers"][name] = {"summary": summary, "stage_times": stages, "mismatches": mismatches[:50],
+                                        "rss_mib_by_process": by_process,
                                         "rss": rss, "rows": [{k: r[k] for k in ("t", "kind", "case", "status",
                                                                                   "seconds", "deliberate")}
                                                              for r in rows],

@@ -267,6 +267,36 @@ def test_vllm_serve_answers_completion_and_chat_with_moa(moa_server):
     assert counts.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, counts
 
 
+def test_vllm_serve_refuses_bad_requests_and_stays_healthy(moa_server):
+    """Every hostile request of the load benchmark (benchmarks/vllm_serve_cases.py) gets a 4xx and
+    every odd-but-valid one a 2xx (top-k without top-p included, which killed the engine before
+    CPUTopKOnlyPatch); after a stream the client hangs up on, the server is healthy and greedy
+    output is unchanged."""
+    import httpx
+
+    from benchmarks.vllm_serve_cases import bad_cases, odd_cases
+
+    url, prompt = moa_server, "def read_config(path):"
+    greedy = {"model": TARGET, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    with httpx.Client(timeout=300) as client:
+        before = client.post(f"{url}/v1/completions", json=greedy).json()["choices"][0]["text"]
+        for name, endpoint, body in bad_cases(TARGET):
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            answer = client.post(f"{url}/v1/{endpoint}", content=content, headers={"content-type": "application/json"})
+            assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text[:300])
+        cases = odd_cases(TARGET, prompt) + [("top_k alone", "completions", {"model": TARGET, "prompt": prompt,
+                                                                             "temperature": 0.8, "top_k": 20,
+                                                                             "max_tokens": 16}, None)]
+        for name, endpoint, body, _ in cases:
+            answer = client.post(f"{url}/v1/{endpoint}", json=body)
+            assert answer.status_code == 200, (name, answer.status_code, answer.text[:300])
+        with client.stream("POST", f"{url}/v1/completions", json={**greedy, "max_tokens": 64, "stream": True}) as s:
+            assert s.status_code == 200
+            next(s.iter_lines())  # then hang up mid-stream
+        assert client.get(f"{url}/health").status_code == 200
+        assert client.post(f"{url}/v1/completions", json=greedy).json()["choices"][0]["text"] == before
+
+
 def test_vllm_serve_refuses_a_bad_drafter_and_exits():
     import os
     import subprocess
