@@ -94,6 +94,7 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
     """Ship a long-run checkpoint of drafter `name`: fp16 weights into destination/name, and the
     card's entry for it (card.json, README.md) with the run and the held-out agreement before and
     after. Returns the entry."""
+    code_state = provenance()  # before the assets change
     state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
     config, steps = state["config"], int(state["step"])
     before = heldout_agreement(destination / name, name, target, held, recipe)
@@ -110,7 +111,7 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
         "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
         "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)), 1),
         "recorded_since_step": steps - int(state.get("timed_steps", 0)), "cores": os.cpu_count(),
-        "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": provenance(),
+        "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": code_state,
     }
     (destination / "card.json").write_text(json.dumps(card, indent=2))
     (destination / "README.md").write_text(model_card(card))
