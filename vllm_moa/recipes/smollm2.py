@@ -337,7 +337,8 @@ def model_card(report: dict) -> str:
     ]
     for name, d in report["drafters"].items():
         agreement = " / ".join(f"{a:.3f}" for a in d["heldout_agreement_by_depth"][1:])
-        lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.0f} min | "
+        long_run = " + the long run (below)" if "long_run" in d else ""
+        lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.0f} min{long_run} | "
                      f"{d['device']}, {d['torch_threads']} threads |")
     for name, d in report["drafters"].items():
         if "long_run" in d:
@@ -345,11 +346,14 @@ def model_card(report: dict) -> str:
             lines += ["", f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, "
                       f"warm-started from the drafter above): +{run['steps']:,} steps x {run['batch_size']} sequences "
                       f"of the same {run['sequences']:,}, {run['target_tokens']:,} target tokens, AdamW lr "
-                      f"{run['lr']} decaying linearly over {run['schedule_steps']:,} steps, bf16 where the CPU has it; "
-                      f"{run['train_seconds_recorded'] / 3600:.1f} h of training recorded since step "
-                      f"{run['recorded_since_step']} on {run['cores']} shared cores (nice 19). Shipped from its "
-                      f"checkpoint at step {run['steps']}; the table gives its agreement (before: "
-                      + " / ".join(f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."]
+                      f"{run['lr']} decaying linearly over {run['schedule_steps']:,} steps, bf16 where the CPU has it, "
+                      f"on {run['cores']} cores shared with other work (nice 19); "
+                      + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
+                         f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]
+                         else "its checkpoints up to this one did not record training time (they do from now on). ")
+                      + f"Shipped from its checkpoint at step {run['steps']}: the agreement in the table (the same "
+                      "evaluation gives the drafter it replaced " + " / ".join(
+                          f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."]
     lines += ["", "Sample prompts:", ""] + [f"* {s[:160]}" for s in p.get("samples", [])]
     return "\n".join(lines) + "\n"
 
