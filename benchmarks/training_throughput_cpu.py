@@ -6,8 +6,9 @@ loss + backward, optimizer) and the CPU's flags (bf16 is native on avx512_bf16 /
 
     before            fp32, LSA over every position of the padded batch (the code before)
     + skip padding    LSA over real tokens only (TrainingBatchView.lengths)
-    + bf16            autocast (the "auto" precision on CPUs with native bf16)
+    + bf16            autocast where the CPU has native bf16, else fp32 (the "auto" precision)
     + compile         torch.compile of the drafter's blocks (TrainConfig.compile)
+    + LSA every 3rd   LSA reads every 3rd target layer with the last (lsa_layer_stride 3: 10 of 30)
 
     python -m benchmarks.training_throughput_cpu [--steps 8] [--sequences 256]
 
@@ -36,9 +37,10 @@ from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary  # n
 from vllm_moa.recipes.smollm2_long import load_dataset  # noqa: E402
 from vllm_moa.training.data import global_batch_indices  # noqa: E402
 
-# name -> (skip padding in LSA, precision, compile)
-LADDER = {"before (fp32, padded LSA)": (False, "fp32", False), "+ skip padding": (True, "fp32", False),
-          "+ bf16": (True, "bf16", False), "+ compile": (True, "bf16", True)}
+# name -> (skip padding in LSA, precision, compile, LSA layer stride)
+LADDER = {"before (fp32, padded LSA)": (False, "fp32", False, 1), "+ skip padding": (True, "fp32", False, 1),
+          "+ bf16 (where native)": (True, "auto", False, 1), "+ compile": (True, "auto", True, 1),
+          "+ LSA every 3rd layer": (True, "auto", True, 3)}
 
 
 class PhaseTimer:
@@ -106,7 +108,7 @@ def main() -> None:
     from vllm_moa.target import TargetModel
     from vllm_moa.targets import fetch_smollm2
     from vllm_moa.training.features import build_feature_cache
-    from vllm_moa.training.trainer import TrainConfig, Trainer
+    from vllm_moa.training.trainer import TrainConfig, Trainer, uses_bf16
 
     recipe = SmolRecipe()
     record = {"provenance": provenance(benchmark="training_throughput_cpu", cpu_flags=isa_summary(),
@@ -124,10 +126,11 @@ def main() -> None:
         features = build_feature_cache(target, train, Path(tmp) / "features", recipe.max_length, progress=False)
         examples = features.examples()
         for name in args.only or list(LADDER):
-            skip_padding, precision, compiled = LADDER[name]
+            skip_padding, precision, compiled, stride = LADDER[name]
             # "before": the view reports no lengths, so LSA runs over every (padded) position
             TrainingBatchView.real_tokens = real_tokens if skip_padding else (lambda self: None)
-            config = TrainConfig(drafter=kind, tli=tli, drafter_options={**options, "draft_vocab_size": len(vocab)},
+            config = TrainConfig(drafter=kind, tli=tli, drafter_options={**options, "draft_vocab_size": len(vocab),
+                                                                           "lsa_layer_stride": stride},
                                  steps=10_000, batch_size=recipe.drafter_batch, lr=2e-3, warmup_steps=30,
                                  max_length=recipe.max_length, output_dir=str(Path(tmp) / "run"),
                                  precision=precision, compile=compiled, progress=False)
@@ -137,7 +140,9 @@ def main() -> None:
             tokens = sum(min(len(examples[i].input_ids), recipe.max_length)
                          for step in range(2, 2 + args.steps)
                          for i in global_batch_indices(len(examples), recipe.drafter_batch, step, config.seed))
-            row = {"config": name, "skip_padding": skip_padding, "precision": precision, "compile": compiled,
+            row = {"config": name, "skip_padding": skip_padding, "compile": compiled,
+                   "precision": "bf16" if uses_bf16(precision, trainer.device) else "fp32",
+                   "lsa_layer_stride": stride,
                    "seconds_per_step": round(seconds, 3), "target_tokens_per_s": round(tokens / args.steps / seconds, 1),
                    "real_tokens_per_step": round(tokens / args.steps, 1),
                    "phases_seconds": {k: round(v, 3) for k, v in phases.items()}}

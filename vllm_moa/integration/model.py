@@ -313,12 +313,13 @@ class MoADraftModel(nn.Module):
                    row_positions: Tensor, write_slots: Tensor) -> None:
         """Turn verified tokens into CA keys/values in CA's paged cache.
 
-        target_kv_caches: the target's L per-layer caches (vLLM's tensors, read in `layout`)
+        target_kv_caches: the target's L per-layer caches (vLLM's tensors, read in `layout`; LSA reads
+                          those of its layers, config lsa_layer_stride)
         read_slots [M]:    the tokens' slots in those caches
         row_positions [M]: their positions (RoPE of the CA keys)
         write_slots [M]:   CA cache slots to write (the same slots; -1 = skip, a rejected draft)
         """
-        rows = lsa_attention(self.lsa, target_kv_caches, read_slots, layout=layout)  # [M, E]
+        rows = lsa_attention(self.lsa, self.lsa.select(target_kv_caches), read_slots, layout=layout)  # [M, E]
         k, v = self.model.ca.row_keys_values(rows, row_positions)
         attn = self.model.ca.attn
         attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, write_slots)

@@ -1,8 +1,8 @@
 """A long, resumable training run of a SmolLM2 drafter, meant to run in the background across
 sessions and machines:
 
-    nice -n 19 python -m vllm_moa.recipes.smollm2_long --drafter moa-tli0 [--hours 2] \\
-        [--work ~/.cache/vllm-moa/runs/smollm2-long] [--sequences 0] [--steps 20000]
+    nice -n 19 python -m vllm_moa.recipes.smollm2_long --drafter moa-tli0 [--hours 2 | --cpu-hours 1] \\
+        [--work ~/.cache/vllm-moa/runs/smollm2-long] [--sequences 0] [--steps 20000] [--threads 1]
 
 * data: the recipe's regenerated token ids, committed in this package (DATASET: the target's own
   answers to 2,969 training prompts + 96 held-out ones), so a fresh machine needs no regeneration;
@@ -76,7 +76,9 @@ def heldout_agreement(drafter_dir: Path, name: str, target, held: list[DraftExam
     from vllm_moa.training.trainer import TrainConfig, Trainer
 
     loaded = load_drafter(drafter_dir, target)
-    kind, tli, options = DRAFTERS[name]
+    kind, tli, _ = DRAFTERS[name]
+    # the drafter's own options (a long run may have changed some, e.g. lsa_layer_stride)
+    options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
     vocab = loaded.draft_vocab
     if vocab is not None:
         options = {**options, "draft_vocab_size": int(vocab.numel())}
@@ -89,6 +91,14 @@ def heldout_agreement(drafter_dir: Path, name: str, target, held: list[DraftExam
         return trainer.evaluate()
 
 
+def run_tokens(train: list[DraftExample], config: dict, steps: int) -> int:
+    """The target tokens a run of `config` (a checkpoint's TrainConfig dump) trained on in its first
+    `steps` steps: exact, since the data order is a function of (seed, step)."""
+    return sum(min(len(train[i].input_ids), config["max_length"])
+               for step in range(steps)
+               for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"]))
+
+
 def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExample], held: list[DraftExample],
                     recipe: SmolRecipe, destination: Path = SHIPPED) -> dict:
     """Ship a long-run checkpoint of drafter `name`: fp16 weights into destination/name, and the
@@ -99,9 +109,7 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
     config, steps = state["config"], int(state["step"])
     before = heldout_agreement(destination / name, name, target, held, recipe)
     after = heldout_agreement(checkpoint / "drafter", name, target, held, recipe)
-    tokens = sum(min(len(train[i].input_ids), config["max_length"])  # the data order is a function of (seed, step)
-                 for step in range(steps)
-                 for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"]))
+    tokens = run_tokens(train, config, steps)
     write_fp16(checkpoint / "drafter", destination / name)
     card = json.loads((destination / "card.json").read_text())
     entry = card["drafters"][name]
@@ -123,6 +131,10 @@ def main() -> None:
     parser.add_argument("--drafter", choices=sorted(DRAFTERS), default="moa-tli0")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK)
     parser.add_argument("--hours", type=float, default=None, help="stop (with a checkpoint) after this long")
+    parser.add_argument("--cpu-hours", type=float, default=None,
+                        help="stop (with a checkpoint) once the run's recorded training CPU time, resumed runs "
+                             "included, reaches this: equal-cost ablations")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
     parser.add_argument("--steps", type=int, default=20_000, help="length of the LR schedule")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -130,6 +142,11 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=0, help="train on the first N sequences (0: all)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--keep-checkpoints", type=int, default=100,
+                        help="checkpoints kept (~80 MB each): held-out agreement against training tokens is measured "
+                             "on them afterwards (benchmarks/long_run_curve.py)")
+    parser.add_argument("--lsa-layer-stride", type=int, default=1,
+                        help="MoA: LSA reads every n-th target layer with the last (its own run directory)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
@@ -144,7 +161,7 @@ def main() -> None:
     from vllm_moa.training.trainer import TrainConfig, Trainer
 
     recipe = SmolRecipe()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     code_state = provenance()
     target_dir = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
@@ -152,8 +169,9 @@ def main() -> None:
     train, held = load_dataset()
     if args.sequences:
         train = train[: args.sequences]
+    run_name = args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
     if args.ship:
-        checkpoints = args.work / args.drafter / "checkpoints"
+        checkpoints = args.work / run_name / "checkpoints"
         checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
         entry = ship_checkpoint(args.drafter, checkpoint, target, train, held, recipe)
         print(json.dumps({k: v for k, v in entry.items() if k != "provenance"}, indent=2))
@@ -165,11 +183,16 @@ def main() -> None:
     kind, tli, options = DRAFTERS[args.drafter]
     if kind != "independent":
         options = {**options, "draft_vocab_size": len(vocab)}
-    out = args.work / args.drafter
+    if args.lsa_layer_stride != 1:
+        if kind != "moa":
+            parser.error("--lsa-layer-stride is an option of MoA drafters")
+        options = {**options, "lsa_layer_stride": args.lsa_layer_stride}
+    out = args.work / run_name
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
                          lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=30, max_length=recipe.max_length,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
-                         checkpoint_minutes=args.checkpoint_minutes, precision=args.precision, seed=recipe.seed,
+                         checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
+                         precision=args.precision, seed=recipe.seed,
                          staircase_until=0.05, compile=True,  # the curriculum: 5% of a long schedule
                          progress=not args.no_progress, log_every=10)
     trainer = Trainer(config, target, features.examples(), held, features=features,
@@ -178,10 +201,12 @@ def main() -> None:
     started_from = "checkpoint" if resume else ("scratch" if args.from_scratch or not warm_start(trainer, args.drafter)
                                                 else "shipped drafter")
     deadline = None if args.hours is None else time.time() + 3600 * args.hours
-    result = trainer.train(resume=resume, deadline=deadline)
+    cpu_budget = None if args.cpu_hours is None else 3600 * args.cpu_hours
+    result = trainer.train(resume=resume, deadline=deadline, cpu_budget_s=cpu_budget)
     report = {"drafter": args.drafter, "started_from": started_from, "steps": result.steps,
               "sequences": len(train), "batch": args.batch, "max_length": recipe.max_length,
               "heldout_agreement_by_depth": result.eval_agreement, "wall_time_s_this_run": round(result.wall_time_s, 1),
+              "train_cpu_seconds": round(trainer.train_cpu_seconds, 1),
               "provenance": code_state}
     (out / "long_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

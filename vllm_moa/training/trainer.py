@@ -190,7 +190,8 @@ class Trainer:
         self.step = 0
         # training time of this run and the runs it resumed, over the last `timed_steps` steps
         # (checkpoints written before the time was recorded carry none)
-        self.train_seconds, self.timed_steps = 0.0, 0
+        # and the process CPU time of those steps (all threads; a paused process accrues none)
+        self.train_seconds, self.timed_steps, self.train_cpu_seconds = 0.0, 0, 0.0
 
     # -- distributed helpers ------------------------------------------------------------------
     @property
@@ -248,7 +249,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         config, step = self.config, self.step
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         indices = self._local_indices(step)
         examples = [self.train_examples[i] for i in indices]
         self.drafter.train()
@@ -269,6 +270,7 @@ class Trainer:
         hits, counts = self._all_reduce(hits), self._all_reduce(counts)
         self.step += 1
         self.train_seconds += time.perf_counter() - started
+        self.train_cpu_seconds += time.process_time() - cpu_started
         self.timed_steps += 1
         return {
             "step": self.step,
@@ -279,6 +281,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "p_staircase": staircase_probability(config, step),
             "agreement": [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)],
+            "train_cpu_seconds": round(self.train_cpu_seconds, 1),
         }
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -312,7 +315,8 @@ class Trainer:
         self.drafter.save_pretrained(tmp / "drafter")
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "step": self.step, "config": self.config.model_dump(mode="json"),
-                    "train_seconds": self.train_seconds, "timed_steps": self.timed_steps}, tmp / "trainer_state.pt")
+                    "train_seconds": self.train_seconds, "timed_steps": self.timed_steps,
+                    "train_cpu_seconds": self.train_cpu_seconds}, tmp / "trainer_state.pt")
         replace_directory(tmp, final)
         _write_atomic(self.checkpoint_root / "latest", final.name)
         # prune older checkpoints of this run only: never the new one, never a later step (a
@@ -354,6 +358,7 @@ class Trainer:
             self.step = int(state["step"])
             self.train_seconds = float(state.get("train_seconds", 0.0))  # absent before they were recorded
             self.timed_steps = int(state.get("timed_steps", 0))
+            self.train_cpu_seconds = float(state.get("train_cpu_seconds", 0.0))
         except DrafterTargetMismatch as err:
             raise CheckpointError(f"checkpoint {path} was trained for another target: {err}") from None
         except Exception as err:  # safetensors, shapes, optimizer state
@@ -370,13 +375,15 @@ class Trainer:
             _write_atomic(self.metrics_path, "".join(line + "\n" for line in kept))
 
     # -- the loop -----------------------------------------------------------------------------
-    def train(self, resume: bool | str | Path = False, deadline: float | None = None) -> TrainResult:
-        """Train to config.steps, or until time.time() passes `deadline` (then with a checkpoint:
-        the run resumes from there)."""
+    def train(self, resume: bool | str | Path = False, deadline: float | None = None,
+              cpu_budget_s: float | None = None) -> TrainResult:
+        """Train to config.steps, or until time.time() passes `deadline` or the run's recorded
+        training CPU time (resumed runs included) reaches `cpu_budget_s` (then with a checkpoint:
+        the run resumes from there). A CPU budget is what equal-cost ablations compare at."""
         from tqdm.auto import tqdm
 
-        if deadline is not None and self.distributed:
-            raise ValueError("a deadline applies to single-process training (workers would stop at different steps)")
+        if (deadline is not None or cpu_budget_s is not None) and self.distributed:
+            raise ValueError("a deadline or CPU budget applies to single-process training (workers would stop at different steps)")
         if resume:
             self.load_checkpoint(None if resume is True else resume)
         config = self.config
@@ -390,7 +397,11 @@ class Trainer:
         bar = tqdm(total=config.steps, initial=self.step, desc=f"train {config.drafter}",
                    disable=not (config.progress and is_main))
         with bar:
-            while self.step < config.steps and (deadline is None or time.time() < deadline):
+            def out_of_time() -> bool:
+                return ((deadline is not None and time.time() >= deadline)
+                        or (cpu_budget_s is not None and self.train_cpu_seconds >= cpu_budget_s))
+
+            while self.step < config.steps and not out_of_time():
                 last = self.train_step()
                 if not math.isfinite(last["loss"]):
                     raise FloatingPointError(f"loss became {last['loss']} at step {self.step}; lower the lr")
@@ -400,7 +411,7 @@ class Trainer:
                     with self.metrics_path.open("a") as f:
                         f.write(json.dumps(last) + "\n")
                 overdue = timed and time.time() - last_checkpoint >= 60 * config.checkpoint_minutes
-                overdue = overdue or (deadline is not None and time.time() >= deadline)
+                overdue = overdue or out_of_time()
                 if self.step % config.checkpoint_every == 0 or self.step == config.steps or overdue:
                     last_checkpoint = time.time()
                     if is_main:

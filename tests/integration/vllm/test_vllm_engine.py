@@ -126,6 +126,37 @@ def test_a_reduced_draft_vocabulary_inside_vllm():
     assert length > 1.3
 
 
+@cache
+def layer_subset_drafter() -> str:
+    """The shipped demo MoA TLI=0 drafter reading every 2nd target layer with the last
+    (lsa_layer_stride 2): same weights, so its rows differ from the full drafter's."""
+    import tempfile
+
+    from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+    from vllm_moa.models.base import load_drafter
+    from vllm_moa.target import TargetModel
+
+    base = load_drafter(DRAFTER, TargetModel.from_pretrained(TARGET))
+    config = MoAConfig.read(DRAFTER)
+    config.lsa_layer_stride = 2
+    drafter = MoADrafter(config)
+    drafter.load_state_dict(base.state_dict())
+    directory = tempfile.mkdtemp(prefix="moa-stride-")
+    drafter.save_pretrained(directory)
+    return directory
+
+
+def test_lsa_over_a_layer_subset_inside_vllm():
+    """lsa_layer_stride 2: the tap hands LSA only the layers it reads (all of them would not fit
+    its shape; others would draft from other rows): greedy output stays plain vLLM's and
+    acceptance equals the runtime's with the same drafter."""
+    spec = engine("moa", 3, drafter=layer_subset_drafter())
+    assert spec.passes[0].outputs == engine().passes[0].outputs
+    length = spec.spec_decode.acceptance_length
+    assert length == pytest.approx(runtime_acceptance(3, layer_subset_drafter()), rel=0.05)
+    assert length > 1.1
+
+
 def test_chunked_prefill_and_preemption_keep_greedy_output():
     plain = engine()
     stressed = engine("moa", 3, stress=True)

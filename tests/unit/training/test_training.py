@@ -114,6 +114,7 @@ def test_resume_continues_exactly(tmp_path):
     resumed = Trainer(_config(tmp_path / "b"), target, data)
     resumed.load_checkpoint()
     assert resumed.timed_steps == 3 and resumed.train_seconds == interrupted.train_seconds > 0  # carried over
+    assert resumed.train_cpu_seconds == interrupted.train_cpu_seconds > 0
     resumed.train(resume=True)
     assert resumed.step == 6 and resumed.timed_steps == 6
     for (name, a), (_, b) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
@@ -192,3 +193,23 @@ def test_a_fresh_moa_drafter_starts_its_output_norm_at_the_targets_final_norm(tm
     drafter = build_drafter(_config(tmp_path), target)
     torch.testing.assert_close(drafter.out_norm.weight, target.decoder.norm.weight)
     assert build_drafter(_config(tmp_path, tli=1), target).out_norm is None
+
+
+def test_a_cpu_budget_stops_with_a_checkpoint_and_counts_resumed_time(tmp_path):
+    """cpu_budget_s bounds the run's recorded training CPU time, resumed runs included: a run stops
+    at the first step past it (with a checkpoint), and a resumed run with the same budget does not
+    train again; a paused process accrues no CPU time, so pauses do not count."""
+    target, data = make_target("llama"), _examples()
+    config = _config(tmp_path, steps=1000, checkpoint_every=1000)
+    first = Trainer(config, target, data)
+    first.train_step()
+    budget = 3 * first.train_cpu_seconds  # a few steps' worth
+    first.train(cpu_budget_s=budget)
+    assert 1 < first.step < 1000 and first.train_cpu_seconds >= budget
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert checkpoints[-1].name == f"step-{first.step:06d}"
+    again = Trainer(config, target, data)
+    again.train(resume=True, cpu_budget_s=budget)
+    assert again.step == first.step and again.train_cpu_seconds == first.train_cpu_seconds
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["train_cpu_seconds"] > 0 for line in lines)

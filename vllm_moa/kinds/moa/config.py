@@ -19,7 +19,9 @@ class MoAConfig(DrafterConfigBase):
         "tli": Option(int, 0, "target layer inference: the target's last N layers run on the drafter's output"),
         "lsa_num_heads": Option(int, 4, "LSA heads (divide the LSA width 2*Ekv into even-sized heads)"),
         "lsa_intermediate_size": Option(int, 256, "LSA SwiGLU hidden size"),
-        "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions are layer indices)"),
+        "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions: index among the layers it reads)"),
+        "lsa_layer_stride": Option(int, 1, "LSA reads every n-th target layer counted back from the last, which "
+                                           "is always read (1: all; 3 on 30 layers: 10 of them)", required=False),
         "sa_num_heads": Option(int, 4, "self-attention heads"),
         "sa_num_kv_heads": Option(int, 2, "self-attention key/value heads (divides sa_num_heads)"),
         "sa_head_dim": Option(int, 16, "self-attention head size (even)"),
@@ -32,8 +34,17 @@ class MoAConfig(DrafterConfigBase):
         "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
     }
 
+    @property
+    def lsa_layers(self) -> tuple[int, ...]:
+        """The target layers LSA reads, in order (the last layer always among them)."""
+        num_layers = self.target_signature.num_layers
+        return tuple(range(num_layers - 1, -1, -self.lsa_layer_stride))[::-1]
+
     def check_values(self, source: str = "config") -> None:
         sig = self.target_signature
+        if not 1 <= self.lsa_layer_stride <= sig.num_layers:
+            raise DrafterConfigError(f"{source}: key 'lsa_layer_stride' must be in 1..{sig.num_layers} (target "
+                                     f"layers), got {self.lsa_layer_stride}")
         check_positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
                   "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
                   "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")

@@ -14,7 +14,9 @@ Two forward modes share every weight:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -36,13 +38,17 @@ from vllm_moa.models.masks import cross_attention_mask, self_attention_mask, tar
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
 
+T = TypeVar("T")
+
 
 class LayerSelfAttention(nn.Module):
     """LSA: a pre-norm decoder block over the *layer axis* of one token's target K/V, unmasked,
-    RoPE at the layer index; then mean over layers and Ekv2E.
+    RoPE at the layer's index among those read; then mean over layers and Ekv2E.
 
-    rows [N, L, 2*Ekv] -> [N, E]. Tokens never mix, so each verified token is processed once.
-    `kernels/` holds a Triton version that reads the rows straight from paged caches.
+    rows [N, L', 2*Ekv] -> [N, E], where L' = len(self.layers): the target layers LSA reads (all of
+    them, or every n-th with the last: config lsa_layer_stride). Callers pick those layers
+    (`select`). Tokens never mix, so each verified token is processed once. `kernels/` holds a
+    Triton version that reads the rows straight from paged caches.
     """
 
     def __init__(self, config: MoAConfig) -> None:
@@ -57,10 +63,24 @@ class LayerSelfAttention(nn.Module):
         self.mlp = SwiGLU(width, config.lsa_intermediate_size)
         self.rotary = RotaryEmbedding(head_dim, config.lsa_rope_theta)
         self.ekv2e = Linear(width, sig.hidden_size, bias=False)
+        self.layers = config.lsa_layers
+        self.reads_all_layers = len(self.layers) == sig.num_layers
+
+    def select(self, per_layer: Sequence[T]) -> list[T]:
+        """The entries of the layers LSA reads, from a per-target-layer sequence (caches, K or V)."""
+        return list(per_layer) if self.reads_all_layers else [per_layer[i] for i in self.layers]
+
+    def select_rows(self, rows: Tensor, dim: int) -> Tensor:
+        """Per-layer rows (all L target layers along `dim`) -> the L' layers LSA reads."""
+        if self.reads_all_layers:
+            return rows
+        return rows.index_select(dim, torch.tensor(self.layers, device=rows.device))
 
     def forward(self, rows: Tensor) -> Tensor:
-        """rows [N, L, 2*Ekv] -> Ekv2E output [N, E]"""
+        """rows [N, L', 2*Ekv] (the layers LSA reads) -> Ekv2E output [N, E]"""
         num_layers = rows.shape[1]
+        if num_layers != len(self.layers):
+            raise ValueError(f"LSA reads {len(self.layers)} target layers, got rows of {num_layers}")
         cos, sin = self.rotary(torch.arange(num_layers, device=rows.device), rows.dtype)  # [L, d]
         x = self.input_norm(rows)
         q = apply_rotary(self.attn.queries(x), cos, sin)  # [N, H, L, d]
@@ -155,7 +175,9 @@ class MoADrafter(Drafter):
     def lsa_fingerprint(self) -> str:
         """sha256 of the LSA + Ekv2E weights (bf16-rounded, so fp16/fp32 copies agree) and TLI: what
         must be identical on client and server for server-made rows to mean the same to the drafter."""
-        digest = hashlib.sha256(f"tli={self.tli};".encode())
+        # the layers read are part of what a row means; drafters reading all layers keep their fingerprint
+        layers = "" if self.lsa.reads_all_layers else f"lsa_layers={','.join(map(str, self.lsa.layers))};"
+        digest = hashlib.sha256(f"tli={self.tli};{layers}".encode())
         for name, weight in sorted(self.lsa.state_dict().items()):
             digest.update(name.encode())
             digest.update(weight.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
@@ -163,7 +185,7 @@ class MoADrafter(Drafter):
 
     def rows_from_kv(self, keys: list[Tensor], values: list[Tensor]) -> Tensor:
         """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens -> Ekv2E rows [B, T, E]."""
-        layer_rows = stack_layer_kv(keys, values)  # [B, T, L, 2*Ekv]
+        layer_rows = stack_layer_kv(self.lsa.select(keys), self.lsa.select(values))  # [B, T, L', 2*Ekv]
         b, t, num_layers, width = layer_rows.shape
         return self.lsa(layer_rows.reshape(b * t, num_layers, width)).view(b, t, -1)
 
@@ -180,9 +202,9 @@ class MoADrafter(Drafter):
         layer_rows = layer_rows.reshape(b * t, *layer_rows.shape[2:])
         real = batch.real_tokens()  # LSA is per token: padding (never read by a real position) is skipped
         if real is None:
-            rows = self.lsa(layer_rows).view(b, t, -1)  # [B, T, E]
+            rows = self.lsa(self.lsa.select_rows(layer_rows, 1)).view(b, t, -1)  # [B, T, E]
         else:
-            flat = self.lsa(layer_rows.index_select(0, real))  # [R, E]
+            flat = self.lsa(self.lsa.select_rows(layer_rows.index_select(0, real), 1))  # [R, E]
             rows = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, real, flat).view(b, t, -1)
         hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
         row_k, row_v = self.ca.row_keys_values(rows, positions)
