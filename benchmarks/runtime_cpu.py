@@ -86,8 +86,8 @@ def main() -> None:
     parser.add_argument("--trees", type=tree_spec, nargs="+", default=[DEFAULT_TREE],
                         metavar="DEPTH,TOP_K,BUDGET")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS),
-                        help="shipped drafter names, 'ngram', or 'hybrid:<name>': lookup merged into that drafter's "
-                             "trees (decoding/retrieval.py)")
+                        help="shipped drafter names, LABEL=DIR (a drafter directory), 'ngram', or 'hybrid:<name>': "
+                             "lookup merged into that drafter's trees (decoding/retrieval.py)")
     parser.add_argument("--retrieval", type=Retrieval.model_validate_json, default=Retrieval(),
                         help="options of the hybrid rows, as JSON (e.g. '{\"min_ngram\": 1}')")
     parser.add_argument("--threads", type=int, default=None)
@@ -97,6 +97,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # LABEL=DIR names a drafter directory that is not shipped (e.g. a training checkpoint) by LABEL
+    directories = {}
+    for i, name in enumerate(args.drafters):
+        hybrid = name.startswith("hybrid:")
+        label, _, directory = name.removeprefix("hybrid:").partition("=")
+        if directory:
+            directories[label] = Path(directory).expanduser()
+            args.drafters[i] = ("hybrid:" if hybrid else "") + label
     prov = common_provenance(torch_threads=torch.get_num_threads())  # at start: the code that runs
     if args.prompts is None:
         sources = ["stdlib-heldout" if args.target == "demo" else "heldout"]
@@ -125,7 +133,8 @@ def main() -> None:
     engines = {}
     for name in args.drafters:
         base = name.removeprefix("hybrid:")
-        drafter = "ngram" if base == "ngram" else load_drafter(drafters_dir / base, target).eval()
+        path = directories.get(base, drafters_dir / base)
+        drafter = "ngram" if base == "ngram" else load_drafter(path, target).eval()
         retrieval = args.retrieval if name.startswith("hybrid:") else None
         for shape_name, spec in configs.items():
             engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec, retrieval=retrieval)
