@@ -10,7 +10,11 @@ sessions and machines:
   token), then every step reads it;
 * state: the newest checkpoint in --work/<drafter>/checkpoints (weights, optimizer, scheduler,
   step; data order, anchors and staircase are functions of (seed, step)) is resumed; without one
-  the drafter starts from the shipped one (vllm_moa/assets/smollm2) unless --from-scratch;
+  the drafter starts from the shipped one (vllm_moa/assets/smollm2) unless --from-scratch (only a
+  run from scratch goes through the SA staircase curriculum, over 5% of --steps);
+* equal-cost ablations: --threads 1 and --cpu-hours H stop a run at H hours of recorded training
+  CPU time (resumed runs included; a paused process accrues none); --lsa-layer-stride N trains
+  an MoA drafter whose LSA reads every N-th layer with the last, in its own run directory;
 * checkpoints every --checkpoint-minutes (default 10) and when --hours run out; progress in
   metrics.jsonl; held-out agreement by depth at the end in --work/<drafter>/long_report.json.
 
@@ -188,18 +192,21 @@ def main() -> None:
             parser.error("--lsa-layer-stride is an option of MoA drafters")
         options = {**options, "lsa_layer_stride": args.lsa_layer_stride}
     out = args.work / run_name
+    # a warm start skips the SA staircase curriculum: the shipped drafter has been through it, and
+    # re-entering it would train on masks evaluation never uses
+    warm = not args.from_scratch and (SHIPPED / args.drafter / "model.safetensors").is_file()
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
                          lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=30, max_length=recipe.max_length,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
                          checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
                          precision=args.precision, seed=recipe.seed,
-                         staircase_until=0.05, compile=True,  # the curriculum: 5% of a long schedule
+                         staircase_until=0.0 if warm else 0.05, compile=True,  # from scratch: 5% of the schedule
                          progress=not args.no_progress, log_every=10)
     trainer = Trainer(config, target, features.examples(), held, features=features,
                       draft_vocab=vocab if kind != "independent" else None)
     resume = (out / "checkpoints" / "latest").is_file()
-    started_from = "checkpoint" if resume else ("scratch" if args.from_scratch or not warm_start(trainer, args.drafter)
-                                                else "shipped drafter")
+    started_from = "checkpoint" if resume else ("shipped drafter" if warm and warm_start(trainer, args.drafter)
+                                                else "scratch")
     deadline = None if args.hours is None else time.time() + 3600 * args.hours
     cpu_budget = None if args.cpu_hours is None else 3600 * args.cpu_hours
     result = trainer.train(resume=resume, deadline=deadline, cpu_budget_s=cpu_budget)
