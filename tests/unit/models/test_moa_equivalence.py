@@ -1,5 +1,6 @@
 """The property the method rests on: training-mode logits at anchor+k equal the logits of
-incremental drafting k steps past that anchor (fp32, max abs diff <= 1e-4)."""
+incremental drafting k steps past that anchor (fp32, max abs diff <= 1e-4), with LSA over every
+target layer or over a subset (lsa_layer_stride)."""
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ from vllm_moa.models.masks import anchor_flags, last_anchor
 TOL = 1e-4
 
 
-def make_drafter(target, tli):
+def make_drafter(target, tli, stride=1):
     torch.manual_seed(123)
-    drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli, lsa_num_heads=4, lsa_intermediate_size=96,
+    drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli, lsa_layer_stride=stride, lsa_num_heads=4,
+                                   lsa_intermediate_size=96,
                                    sa_num_heads=4, sa_num_kv_heads=2, sa_head_dim=16, sa_intermediate_size=96,
                                    ca_num_heads=4, ca_num_kv_heads=1, ca_head_dim=16, ca_intermediate_size=96))
     # scale weights up a little so the check is not trivially satisfied by near-zero logits
@@ -27,9 +29,10 @@ def make_drafter(target, tli):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tli", [0, 1, 2])
-def test_training_mode_equals_incremental_drafting(family, tli):
+@pytest.mark.parametrize("stride", [1, 2])
+def test_training_mode_equals_incremental_drafting(family, tli, stride):
     target = make_target(family)
-    drafter = make_drafter(target, tli)
+    drafter = make_drafter(target, tli, stride)
     gen = torch.Generator().manual_seed(7)
     seq_len, prompt_len, every = 40, 9, 7
     ids = torch.randint(0, 97, (1, seq_len), generator=gen)
