@@ -2,8 +2,11 @@
 every checkpoint a long run kept (vllm_moa.recipes.smollm2_long, --keep-checkpoints), plus the
 drafter it started from, evaluated alike, with a fit that says what more training would give.
 
-    python -m benchmarks.long_run_curve --runs moa-tli0=~/.cache/vllm-moa/runs/smollm2-long/moa-tli0 \\
-        [eagle=DIR ...] [--every 1] [--out benchmarks/results/long_run_curve_smollm2.json]
+    python -m benchmarks.long_run_curve --runs "MoA TLI=0=~/.cache/vllm-moa/runs/smollm2-long/moa-tli0" \\
+        [LABEL=DIR ...] [--max-step N] [--every 1] [--out benchmarks/results/long_run_curve_smollm2.json]
+
+A run is LABEL=DIR (the last '=' splits them): a run directory of the long recipe; its
+train_config.json says which of the recipe's drafters it trains.
 
 Per checkpoint: the trainer's held-out agreement by depth (fp32, the 96 held-out sequences; the
 evaluation of benchmarks/heldout_agreement_smollm2.py), the expected acceptance length of a chain
@@ -30,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.recipes.smollm2 import SmolRecipe  # noqa: E402
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
 from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset, run_tokens  # noqa: E402
 
 
@@ -58,7 +61,8 @@ def log_fit(tokens: list[int], values: list[float]) -> dict | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", required=True, help="NAME=DIR: a recipe drafter name and its run directory")
+    parser.add_argument("--runs", nargs="+", required=True, help="LABEL=DIR: a label and a run directory")
+    parser.add_argument("--max-step", type=int, default=None, help="checkpoints up to this step only")
     parser.add_argument("--every", type=int, default=1, help="evaluate every n-th checkpoint (the newest always)")
     parser.add_argument("--sequences", type=int, default=0, help="the runs' --sequences (0: all)")
     parser.add_argument("--threads", type=int, default=None)
@@ -78,8 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.sequences:
         train = train[: args.sequences]
     for spec in args.runs:
-        name, _, directory = spec.partition("=")
-        checkpoints = sorted(Path(directory).expanduser().glob("checkpoints/step-*"))
+        label, _, directory = spec.rpartition("=")
+        run = Path(directory).expanduser()
+        trained = json.loads((run / "train_config.json").read_text())
+        name = next(n for n, (kind, tli, _) in DRAFTERS.items() if (kind, tli) == (trained["drafter"], trained["tli"]))
+        checkpoints = sorted(c for c in run.glob("checkpoints/step-*")
+                             if args.max_step is None or int(c.name[5:]) <= args.max_step)
         if not checkpoints:
             parser.error(f"{directory}: no checkpoints")
         chosen = checkpoints[:-1][:: args.every] + checkpoints[-1:]
@@ -96,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
         for point in points:
             point["chain3_acceptance_estimate"] = round(chain_acceptance(point["agreement_by_depth"]), 3)
         tokens = [p["tokens"] for p in points]
-        record["runs"][name] = {
-            "directory": directory, "points": points,
+        record["runs"][label] = {
+            "directory": directory, "drafter": name, "options": trained["drafter_options"], "points": points,
             "fit_agreement_depth1": log_fit(tokens, [p["agreement_by_depth"][1] for p in points]),
             "fit_chain3_acceptance": log_fit(tokens, [p["chain3_acceptance_estimate"] for p in points]),
         }
