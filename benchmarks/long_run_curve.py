@@ -61,7 +61,10 @@ def log_fit(tokens: list[int], values: list[float]) -> dict | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", required=True, help="LABEL=DIR: a label and a run directory")
+    parser.add_argument("--runs", nargs="+", default=[], help="LABEL=DIR: a label and a run directory")
+    parser.add_argument("--x", choices=["tokens", "cpu"], default="tokens",
+                        help="the plot's x axis: target tokens, or training CPU seconds (equal-cost ablations)")
+    parser.add_argument("--replot", action="store_true", help="redraw --out's PNG from its JSON, no evaluation")
     parser.add_argument("--max-step", type=int, default=None, help="checkpoints up to this step only")
     parser.add_argument("--every", type=int, default=1, help="evaluate every n-th checkpoint (the newest always)")
     parser.add_argument("--sequences", type=int, default=0, help="the runs' --sequences (0: all)")
@@ -70,6 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.replot:
+        record = json.loads(args.out.read_text())
+        plot(record, args.out.with_suffix(".png"), args.x)
+        return record
+    if not args.runs:
+        parser.error("--runs is required (or --replot)")
 
     from vllm_moa.target import TargetModel
     from vllm_moa.targets import fetch_smollm2
@@ -111,20 +120,22 @@ def main(argv: list[str] | None = None) -> dict:
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
-    plot(record, args.out.with_suffix(".png"))
+    plot(record, args.out.with_suffix(".png"), args.x)
     print(f"wrote {args.out}")
     return record
 
 
-def plot(record: dict, path: Path) -> None:
+def plot(record: dict, path: Path, x: str = "tokens") -> None:
+    """Agreement at depth 1 and the chain estimate against tokens (with the fits) or CPU seconds."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x_key = "tokens" if x == "tokens" else "train_cpu_seconds"
     for name, run in record["runs"].items():
         pts = [p for p in run["points"] if p["tokens"] > 0]
         for ax, key, fit in ((axes[0], lambda p: p["agreement_by_depth"][1], run["fit_agreement_depth1"]),
                              (axes[1], lambda p: p["chain3_acceptance_estimate"], run["fit_chain3_acceptance"])):
-            line = ax.plot([p["tokens"] for p in pts], [key(p) for p in pts], "o-", label=name)[0]
+            line = ax.plot([p[x_key] for p in pts], [key(p) for p in pts], "o-", label=name)[0]
             ax.axhline(key(run["points"][0]), color=line.get_color(), ls=":", lw=1)
-            if fit:
+            if fit and x == "tokens":
                 xs = np.logspace(math.log10(pts[0]["tokens"]), math.log10(pts[-1]["tokens"] * 10), 50)
                 ax.plot(xs, fit["alpha"] + fit["beta_per_10x_tokens"] * np.log10(xs), "--",
                         color=line.get_color(), lw=1, label=f"{name} fit: +{fit['beta_per_10x_tokens']:.3f} per 10x")
@@ -132,7 +143,8 @@ def plot(record: dict, path: Path) -> None:
     axes[1].set_ylabel("chain K=3 acceptance (estimate)")
     for ax in axes:
         ax.set_xscale("log")
-        ax.set_xlabel("target tokens trained on in this run (dotted: its start)")
+        ax.set_xlabel("target tokens trained on in this run (dotted: its start)" if x == "tokens"
+                      else "training CPU seconds in this run (dotted: its start)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
