@@ -337,25 +337,40 @@ def model_card(report: dict) -> str:
     ]
     for name, d in report["drafters"].items():
         agreement = " / ".join(f"{a:.3f}" for a in d["heldout_agreement_by_depth"][1:])
-        long_run = " + the long run (below)" if "long_run" in d else ""
+        long_run = " + the long runs (below)" if long_runs(d) else ""
         lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.0f} min{long_run} | "
                      f"{d['device']}, {d['torch_threads']} threads |")
     for name, d in report["drafters"].items():
-        if "long_run" in d:
-            run = d["long_run"]
-            lines += ["", f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, "
-                      f"warm-started from the drafter above): +{run['steps']:,} steps x {run['batch_size']} sequences "
-                      f"of the same {run['sequences']:,}, {run['target_tokens']:,} target tokens, AdamW lr "
-                      f"{run['lr']} decaying linearly over {run['schedule_steps']:,} steps, bf16 where the CPU has it, "
-                      f"on {run['cores']} cores shared with other work (nice 19); "
-                      + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
-                         f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]
-                         else "its checkpoints up to this one did not record training time (they do from now on). ")
-                      + f"Shipped from its checkpoint at step {run['steps']}: the agreement in the table (the same "
-                      "evaluation gives the drafter it replaced " + " / ".join(
-                          f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."]
+        for i, run in enumerate(long_runs(d)):
+            lines += ["", long_run_sentence(name, run, i)]
     lines += ["", "Sample prompts:", ""] + [f"* {s[:160]}" for s in p.get("samples", [])]
     return "\n".join(lines) + "\n"
+
+
+def long_runs(entry: dict) -> list[dict]:
+    """A card entry's long runs, oldest first (entries from before the history kept one run)."""
+    return entry.get("long_runs") or ([entry["long_run"]] if "long_run" in entry else [])
+
+
+def long_run_sentence(name: str, run: dict, index: int) -> str:
+    """One long run of a shipped drafter, as the model card tells it."""
+    layers = run.get("lsa_layer_stride", 1)
+    cpu = run.get("train_cpu_seconds")
+    return (
+        f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, warm-started from "
+        + ("the drafter above" if index == 0 else "the previous run's drafter")
+        + f"): +{run['steps']:,} steps x {run['batch_size']} sequences of {run['sequences']:,}, "
+        f"{run['target_tokens']:,} target tokens, AdamW lr {run['lr']} decaying linearly over "
+        f"{run['schedule_steps']:,} steps, precision {run['precision']} ('auto': bf16 where the CPU has it), "
+        f"on {run['cores']} cores shared with other work (nice 19); "
+        + (f"LSA reads one target layer in {layers}, the last included; " if layers != 1 else "")
+        + (f"{cpu / 3600:.2f} CPU-hours of training recorded; " if cpu else "")
+        + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
+           f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]
+           else "its checkpoints did not record training time. ")
+        + f"Shipped from its checkpoint at step {run['steps']}: the agreement in the table (the same evaluation "
+        "gives the drafter it replaced " + " / ".join(f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."
+    )
 
 
 def main() -> None:

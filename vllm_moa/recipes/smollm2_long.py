@@ -37,7 +37,15 @@ from pathlib import Path
 import torch
 
 from vllm_moa import envs
-from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, draft_vocabulary, model_card, provenance, write_fp16
+from vllm_moa.recipes.smollm2 import (
+    DRAFTERS,
+    SmolRecipe,
+    draft_vocabulary,
+    long_runs,
+    model_card,
+    provenance,
+    write_fp16,
+)
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
 
 DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
@@ -118,13 +126,17 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
     card = json.loads((destination / "card.json").read_text())
     entry = card["drafters"][name]
     entry["heldout_agreement_by_depth"] = after
+    entry["long_runs"] = long_runs(entry)  # the runs before this one stay in the card
     entry["long_run"] = {
         "steps": steps, "batch_size": config["batch_size"], "sequences": len(train), "target_tokens": tokens,
         "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
         "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)), 1),
         "recorded_since_step": steps - int(state.get("timed_steps", 0)), "cores": os.cpu_count(),
+        "train_cpu_seconds": round(float(state.get("train_cpu_seconds", 0.0)), 1),
+        "lsa_layer_stride": int(config["drafter_options"].get("lsa_layer_stride", 1)),
         "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": code_state,
     }
+    entry["long_runs"].append(entry["long_run"])
     (destination / "card.json").write_text(json.dumps(card, indent=2))
     (destination / "README.md").write_text(model_card(card))
     return entry
