@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the plot's x axis: target tokens, or training CPU seconds (equal-cost ablations)")
     parser.add_argument("--replot", action="store_true", help="redraw --out's PNG from its JSON, no evaluation")
     parser.add_argument("--max-step", type=int, default=None, help="checkpoints up to this step only")
+    parser.add_argument("--no-start", action="store_true",
+                        help="no x = 0 point (when the shipped drafter is no longer the one the runs started from)")
     parser.add_argument("--every", type=int, default=1, help="evaluate every n-th checkpoint (the newest always)")
     parser.add_argument("--sequences", type=int, default=0, help="the runs' --sequences (0: all)")
     parser.add_argument("--threads", type=int, default=None)
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not checkpoints:
             parser.error(f"{directory}: no checkpoints")
         chosen = checkpoints[:-1][:: args.every] + checkpoints[-1:]
-        points = [{"step": 0, "tokens": 0, "train_cpu_seconds": 0.0, "drafter": "shipped (the run's start)",
-                   "agreement_by_depth": heldout_agreement(SHIPPED / name, name, target, held, recipe)}]
+        points = [] if args.no_start else [
+            {"step": 0, "tokens": 0, "train_cpu_seconds": 0.0, "drafter": "shipped (the run's start)",
+             "agreement_by_depth": heldout_agreement(SHIPPED / name, name, target, held, recipe)}]
         for checkpoint in chosen:
             state = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=True)
             step = int(state["step"])
@@ -134,7 +137,8 @@ def plot(record: dict, path: Path, x: str = "tokens") -> None:
         for ax, key, fit in ((axes[0], lambda p: p["agreement_by_depth"][1], run["fit_agreement_depth1"]),
                              (axes[1], lambda p: p["chain3_acceptance_estimate"], run["fit_chain3_acceptance"])):
             line = ax.plot([p[x_key] for p in pts], [key(p) for p in pts], "o-", label=name)[0]
-            ax.axhline(key(run["points"][0]), color=line.get_color(), ls=":", lw=1)
+            if run["points"][0]["tokens"] == 0:
+                ax.axhline(key(run["points"][0]), color=line.get_color(), ls=":", lw=1)
             if fit and x == "tokens":
                 xs = np.logspace(math.log10(pts[0]["tokens"]), math.log10(pts[-1]["tokens"] * 10), 50)
                 ax.plot(xs, fit["alpha"] + fit["beta_per_10x_tokens"] * np.log10(xs), "--",
