@@ -161,8 +161,9 @@ def main() -> None:
     parser.add_argument("--keep-checkpoints", type=int, default=100,
                         help="checkpoints kept (~80 MB each): held-out agreement against training tokens is measured "
                              "on them afterwards (benchmarks/long_run_curve.py)")
-    parser.add_argument("--lsa-layer-stride", type=int, default=1,
-                        help="MoA: LSA reads every n-th target layer with the last (its own run directory)")
+    parser.add_argument("--lsa-layer-stride", type=int, default=None,
+                        help="MoA: LSA reads every n-th target layer with the last (its own run directory; default: "
+                             "the shipped drafter's, so that a warm start keeps what its weights were trained for)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
@@ -185,6 +186,10 @@ def main() -> None:
     train, held = load_dataset()
     if args.sequences:
         train = train[: args.sequences]
+    if args.lsa_layer_stride is None:
+        shipped_config = SHIPPED / args.drafter / "config.json"
+        args.lsa_layer_stride = (json.loads(shipped_config.read_text()).get("lsa_layer_stride", 1)
+                                 if shipped_config.is_file() else 1)
     run_name = args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
     if args.ship:
         checkpoints = args.work / run_name / "checkpoints"
@@ -199,10 +204,10 @@ def main() -> None:
     kind, tli, options = DRAFTERS[args.drafter]
     if kind != "independent":
         options = {**options, "draft_vocab_size": len(vocab)}
-    if args.lsa_layer_stride != 1:
-        if kind != "moa":
-            parser.error("--lsa-layer-stride is an option of MoA drafters")
+    if kind == "moa":
         options = {**options, "lsa_layer_stride": args.lsa_layer_stride}
+    elif args.lsa_layer_stride != 1:
+        parser.error("--lsa-layer-stride is an option of MoA drafters")
     out = args.work / run_name
     # a warm start skips the SA staircase curriculum: the shipped drafter has been through it, and
     # re-entering it would train on masks evaluation never uses
