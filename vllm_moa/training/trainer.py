@@ -281,7 +281,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "p_staircase": staircase_probability(config, step),
             "agreement": [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)],
-            "train_cpu_seconds": round(self.train_cpu_seconds, 1),
+            "train_cpu_seconds": round(self.train_cpu_seconds, 3),
         }
 
     # -- evaluation ---------------------------------------------------------------------------
