@@ -348,7 +348,7 @@ def model_card(report: dict) -> str:
 
 
 def long_runs(entry: dict) -> list[dict]:
-    """A card entry's long runs, oldest first (entries from before the history kept one run)."""
+    """A card entry's long runs, oldest first (cards from before the history kept one, "long_run")."""
     return entry.get("long_runs") or ([entry["long_run"]] if "long_run" in entry else [])
 
 

@@ -126,8 +126,7 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
     card = json.loads((destination / "card.json").read_text())
     entry = card["drafters"][name]
     entry["heldout_agreement_by_depth"] = after
-    entry["long_runs"] = long_runs(entry)  # the runs before this one stay in the card
-    entry["long_run"] = {
+    run = {
         "steps": steps, "batch_size": config["batch_size"], "sequences": len(train), "target_tokens": tokens,
         "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
         "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)), 1),
@@ -136,7 +135,8 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
         "lsa_layer_stride": int(config["drafter_options"].get("lsa_layer_stride", 1)),
         "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": code_state,
     }
-    entry["long_runs"].append(entry["long_run"])
+    entry["long_runs"] = long_runs(entry) + [run]  # the runs before this one stay in the card
+    entry.pop("long_run", None)  # the single-run form of older cards
     (destination / "card.json").write_text(json.dumps(card, indent=2))
     (destination / "README.md").write_text(model_card(card))
     return entry
