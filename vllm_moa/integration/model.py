@@ -310,7 +310,7 @@ class MoADraftModel(nn.Module):
     # -- the tap ----------------------------------------------------------------------------
     @torch.inference_mode()
     def write_rows(self, target_kv_caches: list[Tensor], layout: Callable, read_slots: Tensor,
-                   row_positions: Tensor, write_slots: Tensor) -> None:
+                   row_positions: Tensor, write_slots: Tensor, final_hidden: Tensor | None = None) -> None:
         """Turn verified tokens into CA keys/values in CA's paged cache.
 
         target_kv_caches: the target's L per-layer caches (vLLM's tensors, read in `layout`; LSA reads
@@ -318,8 +318,11 @@ class MoADraftModel(nn.Module):
         read_slots [M]:    the tokens' slots in those caches
         row_positions [M]: their positions (RoPE of the CA keys)
         write_slots [M]:   CA cache slots to write (the same slots; -1 = skip, a rejected draft)
+        final_hidden [M, E]: the tokens' final post-norm target hidden states (the target's output
+                          this step; read with config final_hidden_rows)
         """
         rows = lsa_attention(self.lsa, self.lsa.select(target_kv_caches), read_slots, layout=layout)  # [M, E]
+        rows = self.lsa.add_final_hidden(rows, final_hidden)
         k, v = self.model.ca.row_keys_values(rows, row_positions)
         attn = self.model.ca.attn
         attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, write_slots)

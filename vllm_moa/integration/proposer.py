@@ -181,7 +181,7 @@ class MoAProposer(DraftModelProposer):
         num_speculative_tokens: int,
         target_token_ids: torch.Tensor,  # [N]
         target_positions: torch.Tensor,  # [N]
-        target_hidden_states: torch.Tensor,  # [N, E] (unused: MoA reads the KV cache)
+        target_hidden_states: torch.Tensor,  # [N, E] the target's output (read with config final_hidden_rows)
         next_token_ids: torch.Tensor,  # [B]
         token_indices_to_sample: torch.Tensor | None,
         common_attn_metadata: CommonAttentionMetadata,
@@ -190,7 +190,7 @@ class MoAProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,  # [B]
         slot_mappings: Any = None,
     ) -> torch.Tensor:
-        self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu)
+        self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu, target_hidden_states)
         self._num_rejected = num_rejected_tokens_gpu
         lookups = self.plan_lookups(target_token_ids, next_token_ids, common_attn_metadata, num_rejected_tokens_gpu,
                                     num_speculative_tokens)
@@ -335,14 +335,16 @@ class MoAProposer(DraftModelProposer):
         )
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
-                            num_rejected: torch.Tensor | None) -> None:
-        """The tap: CA rows for the step's scheduled tokens, at their own slots."""
+                            num_rejected: torch.Tensor | None, hidden_states: torch.Tensor | None = None) -> None:
+        """The tap: CA rows for the step's scheduled tokens, at their own slots (from their KV, and
+        their final hidden states [N, E] with config final_hidden_rows)."""
         if positions.dim() != 1:
             raise UnsupportedMoASetup("MoA drafts for text targets with 1-D positions (no M-RoPE)")
         slots = cad.slot_mapping[: positions.shape[0]]  # where the target just wrote their KV
         write = tap_write_slots(cad.query_start_loc, slots, num_rejected)
         caches = [layer.kv_cache for layer in self._target_layers]
-        self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write)
+        final = None if hidden_states is None else hidden_states[: positions.shape[0]]
+        self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write, final)
 
     def build_per_group_and_layer_attn_metadata(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0

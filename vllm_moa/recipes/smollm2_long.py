@@ -74,7 +74,12 @@ def warm_start(trainer, name: str) -> bool:
     if not (directory / "model.safetensors").is_file():
         return False
     loaded = type(trainer.drafter).from_pretrained(directory, trainer.target)
-    trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    missing, unexpected = trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()},
+                                                          strict=False)
+    # an option the shipped drafter lacks may add weights that start from their own (neutral) init
+    new = {name for name, _ in trainer.drafter.named_parameters()} - set(loaded.state_dict())
+    if unexpected or set(missing) - new:
+        raise RuntimeError(f"shipped drafter {name} does not fit this run (missing {missing}, unexpected {unexpected})")
     return True
 
 
@@ -164,6 +169,14 @@ def main() -> None:
     parser.add_argument("--lsa-layer-stride", type=int, default=None,
                         help="MoA: LSA reads every n-th target layer with the last (its own run directory; default: "
                              "the shipped drafter's, so that a warm start keeps what its weights were trained for)")
+    parser.add_argument("--final-hidden-rows", action="store_true",
+                        help="MoA: CA rows also carry the target's final hidden state (option final_hidden_rows; its "
+                             "own run directory; a warm start adds the zero-initialised projection)")
+    parser.add_argument("--kl-weight", type=float, default=0.1,
+                        help="weight of the forward-KL loss (the reference's 0.1; another value: its own run directory)")
+    parser.add_argument("--anchors", type=int, nargs=2, default=(6, 14), metavar=("MIN", "MAX"),
+                        help="anchor spacing in responses, drawn per sample (the reference's 6 14: positions k tokens "
+                             "past an anchor train draft depth k; another range: its own run directory)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
@@ -190,7 +203,10 @@ def main() -> None:
         shipped_config = SHIPPED / args.drafter / "config.json"
         args.lsa_layer_stride = (json.loads(shipped_config.read_text()).get("lsa_layer_stride", 1)
                                  if shipped_config.is_file() else 1)
-    run_name = args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
+    run_name = (args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
+                + ("-hidden" if args.final_hidden_rows else "")
+                + (f"-kl{args.kl_weight:g}" if args.kl_weight != 0.1 else "")
+                + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != (6, 14) else ""))
     if args.ship:
         checkpoints = args.work / run_name / "checkpoints"
         checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
@@ -205,15 +221,17 @@ def main() -> None:
     if kind != "independent":
         options = {**options, "draft_vocab_size": len(vocab)}
     if kind == "moa":
-        options = {**options, "lsa_layer_stride": args.lsa_layer_stride}
-    elif args.lsa_layer_stride != 1:
-        parser.error("--lsa-layer-stride is an option of MoA drafters")
+        options = {**options, "lsa_layer_stride": args.lsa_layer_stride, "final_hidden_rows": args.final_hidden_rows}
+    elif args.lsa_layer_stride != 1 or args.final_hidden_rows:
+        parser.error("--lsa-layer-stride and --final-hidden-rows are options of MoA drafters")
     out = args.work / run_name
     # a warm start skips the SA staircase curriculum: the shipped drafter has been through it, and
     # re-entering it would train on masks evaluation never uses
     warm = not args.from_scratch and (SHIPPED / args.drafter / "model.safetensors").is_file()
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
-                         lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=30, max_length=recipe.max_length,
+                         lr=args.lr, min_lr_ratio=args.min_lr_ratio, kl_weight=args.kl_weight,
+                         anchor_min=args.anchors[0], anchor_max=args.anchors[1], warmup_steps=30,
+                         max_length=recipe.max_length,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
                          checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
                          precision=args.precision, seed=recipe.seed,

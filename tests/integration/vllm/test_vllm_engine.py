@@ -157,6 +157,41 @@ def test_lsa_over_a_layer_subset_inside_vllm():
     assert length > 1.1
 
 
+@cache
+def final_hidden_drafter() -> str:
+    """The shipped demo MoA TLI=0 drafter with final_hidden_rows: its rows also carry each token's
+    final hidden state, through hidden2e = 0.5 * identity (a trained drafter starts it at zero,
+    which would test nothing), so a tap that feeds vLLM's hidden states to the wrong tokens, or
+    pre-norm ones, drafts from other rows than the runtime's."""
+    import tempfile
+
+    import torch
+
+    from vllm_moa.kinds.moa import MoAConfig, MoADrafter
+    from vllm_moa.models.base import load_drafter
+    from vllm_moa.target import TargetModel
+
+    base = load_drafter(DRAFTER, TargetModel.from_pretrained(TARGET))
+    config = MoAConfig.read(DRAFTER)
+    config.final_hidden_rows = True
+    drafter = MoADrafter(config)
+    width = config.target_signature.hidden_size
+    drafter.load_state_dict({**base.state_dict(), "lsa.hidden2e.weight": 0.5 * torch.eye(width)})
+    directory = tempfile.mkdtemp(prefix="moa-hidden-")
+    drafter.save_pretrained(directory)
+    return directory
+
+
+def test_rows_with_the_final_hidden_state_inside_vllm():
+    """final_hidden_rows: the tap adds the target's output hidden states of the step's tokens to
+    their rows: greedy output stays plain vLLM's and acceptance equals the runtime's."""
+    spec = engine("moa", 3, drafter=final_hidden_drafter())
+    assert spec.passes[0].outputs == engine().passes[0].outputs
+    length = spec.spec_decode.acceptance_length
+    assert length == pytest.approx(runtime_acceptance(3, final_hidden_drafter()), rel=0.05)
+    assert length > 1.1
+
+
 def test_chunked_prefill_and_preemption_keep_greedy_output():
     plain = engine()
     stressed = engine("moa", 3, stress=True)

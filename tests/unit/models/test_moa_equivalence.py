@@ -1,6 +1,7 @@
 """The property the method rests on: training-mode logits at anchor+k equal the logits of
 incremental drafting k steps past that anchor (fp32, max abs diff <= 1e-4), with LSA over every
-target layer or over a subset (lsa_layer_stride)."""
+target layer or over a subset (lsa_layer_stride), with or without the final hidden state in the
+rows (final_hidden_rows)."""
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from vllm_moa.models.masks import anchor_flags, last_anchor
 TOL = 1e-4
 
 
-def make_drafter(target, tli, stride=1):
+def make_drafter(target, tli, stride=1, hidden=False):
     torch.manual_seed(123)
-    drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli, lsa_layer_stride=stride, lsa_num_heads=4,
+    drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli, lsa_layer_stride=stride,
+                                   final_hidden_rows=hidden, lsa_num_heads=4,
                                    lsa_intermediate_size=96,
                                    sa_num_heads=4, sa_num_kv_heads=2, sa_head_dim=16, sa_intermediate_size=96,
                                    ca_num_heads=4, ca_num_kv_heads=1, ca_head_dim=16, ca_intermediate_size=96))
@@ -24,15 +26,17 @@ def make_drafter(target, tli, stride=1):
         for p in drafter.parameters():
             if p.dim() > 1:
                 p.mul_(2.0)
+        if hidden:  # zero at the start (a no-op): make it count
+            torch.nn.init.normal_(drafter.lsa.hidden2e.weight, std=0.2)
     return drafter.eval()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tli", [0, 1, 2])
-@pytest.mark.parametrize("stride", [1, 2])
-def test_training_mode_equals_incremental_drafting(family, tli, stride):
+@pytest.mark.parametrize(("stride", "hidden"), [(1, False), (2, False), (2, True)])
+def test_training_mode_equals_incremental_drafting(family, tli, stride, hidden):
     target = make_target(family)
-    drafter = make_drafter(target, tli, stride)
+    drafter = make_drafter(target, tli, stride, hidden)
     gen = torch.Generator().manual_seed(7)
     seq_len, prompt_len, every = 40, 9, 7
     ids = torch.randint(0, 97, (1, seq_len), generator=gen)
@@ -50,7 +54,8 @@ def test_training_mode_equals_incremental_drafting(family, tli, stride):
         with torch.no_grad():
             # verified prefix 0..anchor: its target K/V become CA rows; SA holds tokens 0..anchor
             drafter.extend_verified(state, [k[:, :, : anchor + 1] for k in target_out.keys],
-                                    [v[:, :, : anchor + 1] for v in target_out.values])
+                                    [v[:, :, : anchor + 1] for v in target_out.values],
+                                    target_out.hidden_states[-1][:, : anchor + 1])
             drafter.feed(state, ids[:, : anchor + 1], target)
             k = 1
             while anchor + k < seq_len and s[0, anchor + k] == anchor:

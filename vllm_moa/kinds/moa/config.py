@@ -22,6 +22,9 @@ class MoAConfig(DrafterConfigBase):
         "lsa_rope_theta": Option(float, 10000.0, "rotary base of LSA (positions: index among the layers it reads)"),
         "lsa_layer_stride": Option(int, 1, "LSA reads every n-th target layer counted back from the last, which "
                                            "is always read (1: all; 3 on 30 layers: 10 of them)", required=False),
+        "final_hidden_rows": Option(bool, False, "each CA row also carries its token's final post-norm target hidden "
+                                                 "state (EAGLE's input), through a zero-initialised E->E projection "
+                                                 "added to Ekv2E's output", required=False),
         "sa_num_heads": Option(int, 4, "self-attention heads"),
         "sa_num_kv_heads": Option(int, 2, "self-attention key/value heads (divides sa_num_heads)"),
         "sa_head_dim": Option(int, 16, "self-attention head size (even)"),

@@ -63,6 +63,11 @@ class LayerSelfAttention(nn.Module):
         self.mlp = SwiGLU(width, config.lsa_intermediate_size)
         self.rotary = RotaryEmbedding(head_dim, config.lsa_rope_theta)
         self.ekv2e = Linear(width, sig.hidden_size, bias=False)
+        # config final_hidden_rows: + hidden2e(final hidden state); zero at the start, so a drafter
+        # trained without it starts out unchanged
+        self.hidden2e = Linear(sig.hidden_size, sig.hidden_size, bias=False) if config.final_hidden_rows else None
+        if self.hidden2e is not None:
+            nn.init.zeros_(self.hidden2e.weight)
         self.layers = config.lsa_layers
         self.reads_all_layers = len(self.layers) == sig.num_layers
 
@@ -89,6 +94,16 @@ class LayerSelfAttention(nn.Module):
         h = rows + self.attn.output(attend(q, k, v, None))  # no mask: every layer sees every layer
         h = h + self.mlp(self.post_norm(h))
         return self.ekv2e(h.mean(dim=1))
+
+    def add_final_hidden(self, rows: Tensor, final_hidden: Tensor | None) -> Tensor:
+        """Ekv2E rows [..., E] + hidden2e(the same tokens' final post-norm target hidden [..., E]);
+        the rows unchanged for a drafter without final_hidden_rows."""
+        if self.hidden2e is None:
+            return rows
+        if final_hidden is None:
+            raise ValueError("this MoA drafter's rows carry the target's final hidden state (config "
+                             "final_hidden_rows): pass the verified tokens' final hidden states")
+        return rows + self.hidden2e(final_hidden.to(rows.dtype))
 
 
 class CrossAttentionBlock(nn.Module):
@@ -183,11 +198,13 @@ class MoADrafter(Drafter):
             digest.update(weight.detach().to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
         return digest.hexdigest()[:16]
 
-    def rows_from_kv(self, keys: list[Tensor], values: list[Tensor]) -> Tensor:
-        """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens -> Ekv2E rows [B, T, E]."""
+    def rows_from_kv(self, keys: list[Tensor], values: list[Tensor], final_hidden: Tensor | None = None) -> Tensor:
+        """Per-layer K/V (L x [B, H_kv, T, d]) of verified tokens (+ their final post-norm hidden
+        states [B, T, E], read with config final_hidden_rows) -> CA rows [B, T, E]."""
         layer_rows = stack_layer_kv(self.lsa.select(keys), self.lsa.select(values))  # [B, T, L', 2*Ekv]
         b, t, num_layers, width = layer_rows.shape
-        return self.lsa(layer_rows.reshape(b * t, num_layers, width)).view(b, t, -1)
+        rows = self.lsa(layer_rows.reshape(b * t, num_layers, width)).view(b, t, -1)
+        return self.lsa.add_final_hidden(rows, final_hidden)
 
     def _head(self, ca_out: Tensor) -> Tensor:
         """CA output -> predicted feature (TLI = 0: final post-norm hidden; else: hidden entering L-N)."""
@@ -200,17 +217,20 @@ class MoADrafter(Drafter):
         positions = torch.arange(t, device=ids.device).expand(b, t)
         layer_rows = target_out.lsa_rows()  # [B, T, L, 2*Ekv]
         layer_rows = layer_rows.reshape(b * t, *layer_rows.shape[2:])
+        final_target = target_out.hidden_states[-1]  # [B, T, E]
+        final_in = final_target.reshape(b * t, -1) if self.lsa.hidden2e is not None else None
         real = batch.real_tokens()  # LSA is per token: padding (never read by a real position) is skipped
         if real is None:
-            rows = self.lsa(self.lsa.select_rows(layer_rows, 1)).view(b, t, -1)  # [B, T, E]
+            flat = self.lsa.add_final_hidden(self.lsa(self.lsa.select_rows(layer_rows, 1)), final_in)
+            rows = flat.view(b, t, -1)  # [B, T, E]
         else:
             flat = self.lsa(self.lsa.select_rows(layer_rows.index_select(0, real), 1))  # [R, E]
+            flat = self.lsa.add_final_hidden(flat, None if final_in is None else final_in.index_select(0, real))
             rows = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, real, flat).view(b, t, -1)
         hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
         row_k, row_v = self.ca.row_keys_values(rows, positions)
         feature = self._head(self.ca(hidden, positions, row_k, row_v, cross_attention_mask(s)))
         if self.tli == 0:
-            final_target = target_out.hidden_states[-1]
             return DraftOutput(self.vocab_logits(feature, target), [(feature, final_target, 1.0)], self.draft_vocab)
         # TLI > 0: at anchors the true hidden state replaces the prediction (the target's own
         # output there); elsewhere the last N layers attend true rows <= s(i), predicted rows > s(i).
@@ -221,7 +241,6 @@ class MoADrafter(Drafter):
         final = target.run_last_layers(
             self.tli, mid, positions, target_out.keys[first:], target_out.values[first:], target_layers_mask(s)
         )
-        final_target = target_out.hidden_states[-1]
         return DraftOutput(self.vocab_logits(final, target), [(feature, true_mid, 0.5), (final, final_target, 0.5)],
                            self.draft_vocab)
 
@@ -229,10 +248,12 @@ class MoADrafter(Drafter):
     def new_state(self) -> MoADraftState:
         return MoADraftState()
 
-    def extend_verified(self, state: MoADraftState, keys: list[Tensor], values: list[Tensor]) -> None:
-        """Append n newly verified tokens from their per-layer target K/V (L x [B, H_kv, n, d])."""
+    def extend_verified(self, state: MoADraftState, keys: list[Tensor], values: list[Tensor],
+                        final_hidden: Tensor | None = None) -> None:
+        """Append n newly verified tokens from their per-layer target K/V (L x [B, H_kv, n, d]) (+
+        their final post-norm hidden states [B, n, E], read with config final_hidden_rows)."""
         first = len(keys) - self.tli
-        self.extend_rows(state, self.rows_from_kv(keys, values), keys[first:], values[first:])
+        self.extend_rows(state, self.rows_from_kv(keys, values, final_hidden), keys[first:], values[first:])
 
     def extend_rows(self, state: MoADraftState, new_rows: Tensor, tli_keys: list[Tensor],
                     tli_values: list[Tensor]) -> None:

@@ -20,7 +20,7 @@ class MoASession(ModelSession):
         self.state = drafter.new_state()
 
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
-        self.drafter.extend_verified(self.state, prefill.keys, prefill.values)
+        self.drafter.extend_verified(self.state, prefill.keys, prefill.values, prefill.hidden_states[-1])
         self.drafter.feed(self.state, prompt, self.target)
 
     def _begin(self) -> None:
@@ -32,7 +32,8 @@ class MoASession(ModelSession):
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         first = len(verified.keys) - self.drafter.tli
-        self.accept_rows(tree, path, self.drafter.rows_from_kv(verified.keys, verified.values),
+        self.accept_rows(tree, path, self.drafter.rows_from_kv(verified.keys, verified.values,
+                                                                verified.hidden_states[-1]),
                          verified.keys[first:], verified.values[first:])
 
     def accept_rows(self, tree: DraftTree, path: list[int], rows: Tensor, tli_keys: list[Tensor],
