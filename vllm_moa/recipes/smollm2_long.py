@@ -138,6 +138,8 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
         "recorded_since_step": steps - int(state.get("timed_steps", 0)), "cores": os.cpu_count(),
         "train_cpu_seconds": round(float(state.get("train_cpu_seconds", 0.0)), 1),
         "lsa_layer_stride": int(config["drafter_options"].get("lsa_layer_stride", 1)),
+        "anchor_spacing": [config.get("anchor_min", 6), config.get("anchor_max", 14)],
+        "kl_weight": config.get("kl_weight", 0.1),
         "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": code_state,
     }
     entry["long_runs"] = long_runs(entry) + [run]  # the runs before this one stay in the card
