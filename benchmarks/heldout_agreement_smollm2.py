@@ -11,6 +11,10 @@ sees the same anchors), in fp32, so that drafters trained in bf16 or shipped in 
 equal terms. "shipped" is the recipe's drafter in vllm_moa/assets/smollm2; a directory is a
 drafter directory (config.json + model.safetensors), e.g. a checkpoint's drafter/ of the long run.
 
+--splits heldout train-first train-last evaluates the same way on 96 training sequences too (the
+first 96 of the dataset, in every long run's subset; the last 96, only in runs on all of it): the
+gap between them and the held-out ones is what the drafter memorised.
+
 Writes the JSON (with provenance and each drafter's card or training state where there is one)
 and a PNG of agreement against depth.
 """
@@ -31,6 +35,12 @@ from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
 from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset  # noqa: E402
 
+SPLITS = {  # (train, held-out) -> 96 sequences
+    "heldout": lambda train, held: held,
+    "train-first": lambda train, held: train[:96],
+    "train-last": lambda train, held: train[-96:],
+}
+
 
 def describe(drafter_dir: Path) -> dict:
     """What is known of how a drafter was made: its checkpoint step, or the shipped card's numbers."""
@@ -46,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--drafters", nargs="+", default=["shipped"], help="'shipped' or drafter directories")
     parser.add_argument("--labels", nargs="+", default=None, help="one label per drafter (default: the paths)")
     parser.add_argument("--recipe", choices=sorted(DRAFTERS), default="moa-tli0", help="the recipe's drafter shape")
+    parser.add_argument("--splits", nargs="+", choices=sorted(SPLITS), default=["heldout"],
+                        help="sequences to evaluate on (96 each): held-out, or training sequences (memorisation)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "heldout_agreement_smollm2.json")
     args = parser.parse_args(argv)
@@ -60,14 +72,16 @@ def main(argv: list[str] | None = None) -> dict:
     record = provenance(torch_threads=torch.get_num_threads(), config=vars(args) | {"out": str(args.out)})
     recipe = SmolRecipe()
     target = TargetModel.from_pretrained(fetch_smollm2())
-    _, held = load_dataset()
+    train, held = load_dataset()
     rows = []
     for index, name in enumerate(args.drafters):
         directory = SHIPPED / args.recipe if name == "shipped" else Path(name)
-        label = args.labels[index] if args.labels else name
-        by_depth = heldout_agreement(directory, args.recipe, target, held, recipe)
-        rows.append({"label": label, **describe(directory), "heldout_agreement_by_depth": by_depth})
-        print(json.dumps(rows[-1]))
+        for split in args.splits:
+            label = args.labels[index] if args.labels else name
+            label = label if args.splits == ["heldout"] else f"{label} ({split})"
+            by_depth = heldout_agreement(directory, args.recipe, target, SPLITS[split](train, held), recipe)
+            rows.append({"label": label, "split": split, **describe(directory), "heldout_agreement_by_depth": by_depth})
+            print(json.dumps(rows[-1]))
     result = {"what": "held-out top-1 agreement with SmolLM2-135M-Instruct by draft depth (index k >= 1: the k-th "
                       "drafted token; index 0: the anchor itself, which the target supplies at inference), the "
                       "trainer's evaluation in fp32 on the committed dataset's 96 held-out sequences",
