@@ -364,6 +364,9 @@ def long_run_sentence(name: str, run: dict, index: int) -> str:
         f"{run['schedule_steps']:,} steps, precision {run['precision']} ('auto': bf16 where the CPU has it), "
         f"on {run['cores']} cores shared with other work (nice 19); "
         + (f"LSA reads one target layer in {layers}, the last included; " if layers != 1 else "")
+        + (f"KL weight {run['kl_weight']:g}; " if run.get("kl_weight", 0.1) != 0.1 else "")
+        + ("anchors every {}..{} tokens; ".format(*run["anchor_spacing"])
+           if list(run.get("anchor_spacing", [6, 14])) != [6, 14] else "")
         + (f"{cpu / 3600:.2f} CPU-hours of training recorded; " if cpu else "")
         + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
            f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]
