@@ -105,6 +105,11 @@ def _plain(x: Tensor, modules: tuple[nn.Linear, ...]) -> Tensor | tuple[Tensor, 
 
 def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
     """x [..., in] -> each module's output [..., out_i]: one tensor for one module, else a tuple."""
+    if torch.compiler.is_compiling():
+        # inside torch.compile: plain linears, which inductor lowers (and packs) itself. The checks
+        # below would break the graph at every linear (dynamo does not trace mkldnn.is_available),
+        # and a packed weight traced into the graph failed to lower (a trainer's no-grad evaluation)
+        return _plain(x, modules)
     if not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" or not available():
         return _plain(x, modules)
     if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in modules)):

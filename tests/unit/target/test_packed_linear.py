@@ -99,3 +99,17 @@ def test_inference_mode_weights_are_packed_too():
         x = torch.randn(5, 1024)
         torch.testing.assert_close(linear(x, m), torch.nn.functional.linear(x, m.weight), rtol=1e-5, atol=1e-5)
     assert _used_packs(m) == 1
+
+
+def test_compiled_code_takes_the_plain_path(monkeypatch):
+    """Under torch.compile (the trainer's compiled blocks, evaluated without grad) the packed op
+    stays out of the graph: inductor failed to lower its packed weight."""
+    def refuse(*_):
+        raise AssertionError("the packed op was traced into a compiled graph")
+
+    monkeypatch.setattr(packed_linear, "_packed_op", lambda: refuse)
+    (m,) = _modules((1024, 640))
+    x = torch.randn(3, 1024)
+    with torch.no_grad():
+        got = torch.compile(lambda t: linear(t, m), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
