@@ -359,8 +359,10 @@ def long_run_sentence(name: str, run: dict, index: int) -> str:
     return (
         f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, warm-started from "
         + ("the drafter above" if index == 0 else "the previous run's drafter")
-        + f"): +{run['steps']:,} steps x {run['batch_size']} sequences of {run['sequences']:,}, "
-        f"{run['target_tokens']:,} target tokens, AdamW lr {run['lr']} decaying linearly over "
+        + f"): +{run['steps'] - run.get('from_step', 0):,} steps x {run['batch_size']} sequences of "
+        f"{run['sequences']:,}, "
+        + (f"going on from the step-{run['from_step']} checkpoint shipped before, " if run.get("from_step") else "")
+        + f"{run['target_tokens']:,} target tokens, AdamW lr {run['lr']} decaying linearly over "
         f"{run['schedule_steps']:,} steps, precision {run['precision']} ('auto': bf16 where the CPU has it), "
         f"on {run['cores']} cores shared with other work (nice 19); "
         + (f"LSA reads one target layer in {layers}, the last included; " if layers != 1 else "")

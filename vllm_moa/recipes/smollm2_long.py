@@ -116,6 +116,24 @@ def run_tokens(train: list[DraftExample], config: dict, steps: int) -> int:
                for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"]))
 
 
+def shipped_earlier(checkpoint: Path, runs: list[dict]) -> dict | None:
+    """The state of the checkpoint of this run that the card's last long run shipped ({step,
+    train_seconds, train_cpu_seconds}), when `checkpoint` continues that run; else None. Same run:
+    the sibling checkpoint of that name is there and recorded the CPU time the card did."""
+    if not runs:
+        return None
+    last = runs[-1]
+    sibling = checkpoint.parent / last.get("checkpoint", "")
+    if sibling == checkpoint or not (sibling / "trainer_state.pt").is_file():
+        return None
+    state = torch.load(sibling / "trainer_state.pt", map_location="cpu", weights_only=True)
+    cpu = float(state.get("train_cpu_seconds", 0.0))
+    if round(cpu, 1) != round(float(last.get("train_cpu_seconds", -1.0)), 1):
+        return None
+    return {"step": int(state["step"]), "train_seconds": float(state.get("train_seconds", 0.0)),
+            "train_cpu_seconds": cpu}
+
+
 def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExample], held: list[DraftExample],
                     recipe: SmolRecipe, destination: Path = SHIPPED) -> dict:
     """Ship a long-run checkpoint of drafter `name`: fp16 weights into destination/name, and the
@@ -126,17 +144,20 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
     config, steps = state["config"], int(state["step"])
     before = heldout_agreement(destination / name, name, target, held, recipe)
     after = heldout_agreement(checkpoint / "drafter", name, target, held, recipe)
-    tokens = run_tokens(train, config, steps)
-    write_fp16(checkpoint / "drafter", destination / name)
     card = json.loads((destination / "card.json").read_text())
     entry = card["drafters"][name]
+    # a run that goes on past a checkpoint shipped before: the card records only what came after it
+    since = shipped_earlier(checkpoint, long_runs(entry))
+    done = {"step": 0, "train_seconds": 0.0, "train_cpu_seconds": 0.0} if since is None else since
+    tokens = run_tokens(train, config, steps) - run_tokens(train, config, done["step"])
+    write_fp16(checkpoint / "drafter", destination / name)
     entry["heldout_agreement_by_depth"] = after
     run = {
-        "steps": steps, "batch_size": config["batch_size"], "sequences": len(train), "target_tokens": tokens,
-        "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
-        "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)), 1),
-        "recorded_since_step": steps - int(state.get("timed_steps", 0)), "cores": os.cpu_count(),
-        "train_cpu_seconds": round(float(state.get("train_cpu_seconds", 0.0)), 1),
+        "steps": steps, "from_step": done["step"], "batch_size": config["batch_size"], "sequences": len(train),
+        "target_tokens": tokens, "lr": config["lr"], "schedule_steps": config["steps"], "precision": config["precision"],
+        "train_seconds_recorded": round(float(state.get("train_seconds", 0.0)) - done["train_seconds"], 1),
+        "recorded_since_step": max(done["step"], steps - int(state.get("timed_steps", 0))), "cores": os.cpu_count(),
+        "train_cpu_seconds": round(float(state.get("train_cpu_seconds", 0.0)) - done["train_cpu_seconds"], 1),
         "lsa_layer_stride": int(config["drafter_options"].get("lsa_layer_stride", 1)),
         "anchor_spacing": [config.get("anchor_min", 6), config.get("anchor_max", 14)],
         "kl_weight": config.get("kl_weight", 0.1),
