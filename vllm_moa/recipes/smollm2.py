@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 
@@ -347,6 +348,11 @@ def model_card(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the trainer's defaults (the reference's): a run that changed them says so in the card
+DEFAULT_KL_WEIGHT = TrainConfig.model_fields["kl_weight"].default
+DEFAULT_ANCHORS = (TrainConfig.model_fields["anchor_min"].default, TrainConfig.model_fields["anchor_max"].default)
+
+
 def long_runs(entry: dict) -> list[dict]:
     """A card entry's long runs, oldest first (cards from before the history kept one, "long_run")."""
     return entry.get("long_runs") or ([entry["long_run"]] if "long_run" in entry else [])
@@ -366,9 +372,9 @@ def long_run_sentence(name: str, run: dict, index: int) -> str:
         f"{run['schedule_steps']:,} steps, precision {run['precision']} ('auto': bf16 where the CPU has it), "
         f"on {run['cores']} cores shared with other work (nice 19); "
         + (f"LSA reads one target layer in {layers}, the last included; " if layers != 1 else "")
-        + (f"KL weight {run['kl_weight']:g}; " if run.get("kl_weight", 0.1) != 0.1 else "")
+        + (f"KL weight {run['kl_weight']:g}; " if run.get("kl_weight", DEFAULT_KL_WEIGHT) != DEFAULT_KL_WEIGHT else "")
         + ("anchors every {}..{} tokens; ".format(*run["anchor_spacing"])
-           if list(run.get("anchor_spacing", [6, 14])) != [6, 14] else "")
+           if tuple(run.get("anchor_spacing", DEFAULT_ANCHORS)) != DEFAULT_ANCHORS else "")
         + (f"{cpu / 3600:.2f} CPU-hours of training recorded; " if cpu else "")
         + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
            f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]

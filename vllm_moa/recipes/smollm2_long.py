@@ -38,6 +38,8 @@ import torch
 
 from vllm_moa import envs
 from vllm_moa.recipes.smollm2 import (
+    DEFAULT_ANCHORS,
+    DEFAULT_KL_WEIGHT,
     DRAFTERS,
     SmolRecipe,
     draft_vocabulary,
@@ -159,8 +161,8 @@ def ship_checkpoint(name: str, checkpoint: Path, target, train: list[DraftExampl
         "recorded_since_step": max(done["step"], steps - int(state.get("timed_steps", 0))), "cores": os.cpu_count(),
         "train_cpu_seconds": round(float(state.get("train_cpu_seconds", 0.0)) - done["train_cpu_seconds"], 1),
         "lsa_layer_stride": int(config["drafter_options"].get("lsa_layer_stride", 1)),
-        "anchor_spacing": [config.get("anchor_min", 6), config.get("anchor_max", 14)],
-        "kl_weight": config.get("kl_weight", 0.1),
+        "anchor_spacing": [config.get("anchor_min", DEFAULT_ANCHORS[0]), config.get("anchor_max", DEFAULT_ANCHORS[1])],
+        "kl_weight": config.get("kl_weight", DEFAULT_KL_WEIGHT),
         "heldout_agreement_before": before, "checkpoint": checkpoint.name, "provenance": code_state,
     }
     entry["long_runs"] = long_runs(entry) + [run]  # the runs before this one stay in the card
@@ -195,9 +197,10 @@ def main() -> None:
     parser.add_argument("--final-hidden-rows", action="store_true",
                         help="MoA: CA rows also carry the target's final hidden state (option final_hidden_rows; its "
                              "own run directory; a warm start adds the zero-initialised projection)")
-    parser.add_argument("--kl-weight", type=float, default=0.1,
-                        help="weight of the forward-KL loss (the reference's 0.1; another value: its own run directory)")
-    parser.add_argument("--anchors", type=int, nargs=2, default=(6, 14), metavar=("MIN", "MAX"),
+    parser.add_argument("--kl-weight", type=float, default=DEFAULT_KL_WEIGHT,
+                        help="weight of the forward-KL loss (default: the reference's; another value: its own run "
+                             "directory)")
+    parser.add_argument("--anchors", type=int, nargs=2, default=DEFAULT_ANCHORS, metavar=("MIN", "MAX"),
                         help="anchor spacing in responses, drawn per sample (the reference's 6 14: positions k tokens "
                              "past an anchor train draft depth k; another range: its own run directory)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
@@ -228,8 +231,8 @@ def main() -> None:
                                  if shipped_config.is_file() else 1)
     run_name = (args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
                 + ("-hidden" if args.final_hidden_rows else "")
-                + (f"-kl{args.kl_weight:g}" if args.kl_weight != 0.1 else "")
-                + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != (6, 14) else ""))
+                + (f"-kl{args.kl_weight:g}" if args.kl_weight != DEFAULT_KL_WEIGHT else "")
+                + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != DEFAULT_ANCHORS else ""))
     if args.ship:
         checkpoints = args.work / run_name / "checkpoints"
         checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
