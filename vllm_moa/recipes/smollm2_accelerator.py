@@ -201,13 +201,14 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     trainer = Trainer(config, target, train, held, draft_vocab=vocab.cpu() if vocab is not None else None)
     trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
     started = time.time()
-    deadline, calibrated, log = started + seconds, False, []
+    deadline, mark, log = started + seconds, None, []
     while time.time() < deadline and trainer.step < config.steps:
         metrics = trainer.train_step()
-        if not calibrated and trainer.step == 20:  # the schedule ends where the time share does
-            rate = (time.time() - started) / trainer.step
+        if trainer.step == 20:  # the first steps are slow (allocator, kernel selection): timed from here
+            mark = (trainer.step, time.time())
+        elif mark is not None and trainer.step % 50 == 0:  # the schedule ends where the time share does
+            rate = (time.time() - mark[1]) / (trainer.step - mark[0])
             config.steps = trainer.step + max(1, int((deadline - time.time()) / rate))
-            calibrated = True
         if trainer.step % 50 == 0:
             log.append({k: metrics[k] for k in ("step", "loss", "kl", "feature", "lr", "agreement")})
             _log(f"{name} step {trainer.step}/{config.steps} loss {metrics['loss']:.3f} agree {metrics['agreement'][1:4]}")
@@ -243,6 +244,10 @@ def run_job(args: argparse.Namespace) -> dict:
     folder = target_folder(work, args.gguf)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     target = TargetModel.from_pretrained(folder, device=device)  # fp32: generation as the CPU target does it
+    eos = target.hf_model.generation_config.eos_token_id
+    if tokenizer.eos_token_id != eos:  # generation would run past the end of every turn
+        raise ValueError(f"{folder}: the tokenizer's EOS is {tokenizer.eos_token_id}, the model's {eos}: convert the "
+                         "target again (vllm-moa fetch smollm2 --force)")
     _log(f"target on {report['device']} after {time.time() - start:.0f} s")
     prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
                             args.prompt_seconds, held, args.seed, report)
@@ -252,6 +257,9 @@ def run_job(args: argparse.Namespace) -> dict:
                           args.batch_generate, args.response_seconds, args.seed + 1, report)
     _save_json(report_path, report)
     report["dataset_bytes"] = save_dataset(new, held, out / DATASET_NAME)
+    if len(new) < args.min_new_sequences:  # the drafters still train (on the committed data too): said loudly
+        report.setdefault("warnings", []).append(f"only {len(new)} new sequences (expected >= {args.min_new_sequences})")
+        _log(f"WARNING: {report['warnings'][-1]}")
     _log(f"{len(new)} responses after {time.time() - start:.0f} s")
     train = old_train + new
     names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
@@ -329,6 +337,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="training batch (sequences)")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--max-length", type=int, default=320)
+    parser.add_argument("--min-new-sequences", type=int, default=1000, help="fewer: a warning in the report")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--code-commit", default=None, help="the commit the copied code is (no .git there)")
     parser.add_argument("--ship", type=Path, default=None, help="ship this run's --out here instead of running")

@@ -54,11 +54,23 @@ def convert_gguf_to_hf(gguf_file: Path, out_dir: Path) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"{gguf_file.name} holds a {architecture}, not one of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
+    _align_special_tokens(tokenizer, model.config)
     _write_weights(model, out_dir / WEIGHTS_FILE)
     _write_config(model, out_dir)
     model.generation_config.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     _make_tokenizer_config_portable(out_dir / _TOKENIZER_CONFIG, tokenizer, model.config.max_position_embeddings)
+
+
+def _align_special_tokens(tokenizer, config) -> None:
+    """Give the tokenizer the model's BOS / EOS (the GGUF metadata's, which the config holds).
+    transformers 5.17 reads SmolLM2's llama.cpp tokenizer with EOS = <|im_start|> while the
+    config keeps <|im_end|>: generation that stops at the tokenizer's EOS then runs past the end
+    of every turn."""
+    for name in ("bos", "eos"):
+        wanted = getattr(config, f"{name}_token_id", None)
+        if isinstance(wanted, int) and getattr(tokenizer, f"{name}_token_id") != wanted:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(wanted))
 
 
 def _write_weights(model, path: Path) -> None:

@@ -225,6 +225,26 @@ def test_conversion_gives_back_the_llama_weights_config_and_tokenizer(tiny, tmp_
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_conversion_gives_the_tokenizer_the_models_eos(tiny, tmp_path, monkeypatch):
+    """transformers 5.17 reads SmolLM2's GGUF tokenizer with EOS = <|im_start|> (the config keeps
+    <|im_end|>); the converted folder must carry the model's EOS whatever the tokenizer said."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from vllm_moa.targets import gguf_to_hf
+
+    real = AutoTokenizer.from_pretrained
+
+    def misread(*args, **kwargs):  # what transformers 5.17 gives
+        tokenizer = real(*args, **kwargs)
+        tokenizer.eos_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", misread)  # the class gguf_to_hf imports
+    out = tmp_path / "hf"
+    gguf_to_hf.convert_gguf_to_hf(tiny[0], out)
+    monkeypatch.undo()
+    assert AutoTokenizer.from_pretrained(str(out)).eos_token == "<|im_end|>"
+
+
 def test_converted_folder_runs_in_the_runtime_like_transformers(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "hf"
