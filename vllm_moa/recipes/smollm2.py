@@ -362,24 +362,33 @@ def long_run_sentence(name: str, run: dict, index: int) -> str:
     """One long run of a shipped drafter, as the model card tells it."""
     layers = run.get("lsa_layer_stride", 1)
     cpu = run.get("train_cpu_seconds")
+    accelerator = run.get("accelerator")
+    where = (f"on one {accelerator} (vllm_moa/recipes/smollm2_accelerator.py, " if accelerator
+             else "on in the long resumable run (vllm_moa/recipes/smollm2_long.py, ")
     return (
-        f"{name} then trained on in the long resumable run (vllm_moa/recipes/smollm2_long.py, warm-started from "
+        f"{name} then trained {where}warm-started from "
         + ("the drafter above" if index == 0 else "the previous run's drafter")
         + f"): +{run['steps'] - run.get('from_step', 0):,} steps x {run['batch_size']} sequences of "
-        f"{run['sequences']:,}, "
+        f"{run['sequences']:,}"
+        + (f" ({run['data']['new_sequences']:,} of them new)" if accelerator else "") + ", "
         + (f"going on from the step-{run['from_step']} checkpoint shipped before, " if run.get("from_step") else "")
         + f"{run['target_tokens']:,} target tokens, AdamW lr {run['lr']} decaying linearly over "
-        f"{run['schedule_steps']:,} steps, precision {run['precision']} ('auto': bf16 where the CPU has it), "
-        f"on {run['cores']} cores shared with other work (nice 19); "
+        f"{run['schedule_steps']:,} steps, "
+        + ("bf16 autocast; " if accelerator else
+           f"precision {run['precision']} ('auto': bf16 where the CPU has it), on {run['cores']} cores shared with "
+           "other work (nice 19); ")
         + (f"LSA reads one target layer in {layers}, the last included; " if layers != 1 else "")
         + (f"KL weight {run['kl_weight']:g}; " if run.get("kl_weight", DEFAULT_KL_WEIGHT) != DEFAULT_KL_WEIGHT else "")
         + ("anchors every {}..{} tokens; ".format(*run["anchor_spacing"])
            if tuple(run.get("anchor_spacing", DEFAULT_ANCHORS)) != DEFAULT_ANCHORS else "")
         + (f"{cpu / 3600:.2f} CPU-hours of training recorded; " if cpu else "")
-        + (f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
+        + (f"{run['train_seconds_recorded']:.0f} s of training. " if accelerator else
+           f"{run['train_seconds_recorded'] / 3600:.2f} h of training time recorded over its last "
            f"{run['steps'] - run['recorded_since_step']:,} steps. " if run["train_seconds_recorded"]
            else "its checkpoints did not record training time. ")
-        + f"Shipped from its checkpoint at step {run['steps']}: the agreement in the table (the same evaluation "
+        + (f"Shipped at the end of the run (step {run['steps']}): " if accelerator else
+           f"Shipped from its checkpoint at step {run['steps']}: ")
+        + "the agreement in the table (the same evaluation "
         "gives the drafter it replaced " + " / ".join(f"{a:.3f}" for a in run["heldout_agreement_before"][1:]) + ")."
     )
 

@@ -69,7 +69,7 @@ def target_folder(work: Path, gguf: Path | None) -> Path:
 
     if gguf is None:
         return fetch_smollm2()
-    folder = work / "target"
+    folder = work / SMOLLM2_135M_INSTRUCT.folder_name  # the name drafters record for their target
     if (folder / "model.safetensors").is_file():
         return folder
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
@@ -77,7 +77,7 @@ def target_folder(work: Path, gguf: Path | None) -> Path:
         raise ValueError(f"{gguf}: sha256 {digest} is not the wheel's SmolLM2 file ({SMOLLM2_135M_INSTRUCT.sha256})")
     from vllm_moa.targets.gguf_to_hf import convert_gguf_to_hf
 
-    partial = work / "target.partial"
+    partial = work / f"{folder.name}.partial"
     convert_gguf_to_hf(gguf, partial)
     partial.replace(folder)
     return folder
@@ -213,13 +213,13 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
             log.append({k: metrics[k] for k in ("step", "loss", "kl", "feature", "lr", "agreement")})
             _log(f"{name} step {trainer.step}/{config.steps} loss {metrics['loss']:.3f} agree {metrics['agreement'][1:4]}")
     elapsed = time.time() - started
-    config.steps = trainer.step  # the schedule as it ran (the card's schedule_steps)
     agreement = trainer.evaluate()
     tmp = work / name / "drafter"
     trainer.drafter.save_pretrained(tmp)
     write_fp16(tmp, out / name)
     dump = config.model_dump(mode="json")
-    return {"kind": kind, "tli": tli, "steps": trainer.step, "batch_size": batch, "lr": lr, "max_length": max_length,
+    return {"kind": kind, "tli": tli, "steps": trainer.step, "schedule_steps": config.steps,
+            "batch_size": batch, "lr": lr, "max_length": max_length,
             "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if trainer.device.type == "cuda" else "auto",
             "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
             "sequences": len(train), "heldout_agreement_device": agreement, "metrics": log, "config": dump}
@@ -302,7 +302,7 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
         entry["heldout_agreement_by_depth"] = after
         entry["long_runs"] = long_runs(entry) + [{
             "steps": run["steps"], "from_step": 0, "batch_size": run["batch_size"], "sequences": run["sequences"],
-            "target_tokens": run["target_tokens"], "lr": run["lr"], "schedule_steps": run["steps"],
+            "target_tokens": run["target_tokens"], "lr": run["lr"], "schedule_steps": run.get("schedule_steps", run["steps"]),
             "precision": run["precision"], "accelerator": report["device"],
             "train_seconds_recorded": run["train_seconds"], "recorded_since_step": 0, "cores": None,
             "lsa_layer_stride": int(run["config"]["drafter_options"].get("lsa_layer_stride", 1)),
