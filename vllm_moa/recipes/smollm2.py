@@ -339,8 +339,9 @@ def model_card(report: dict) -> str:
     for name, d in report["drafters"].items():
         agreement = " / ".join(f"{a:.3f}" for a in d["heldout_agreement_by_depth"][1:])
         long_run = " + the long runs (below)" if long_runs(d) else ""
+        threads = f", {d['torch_threads']} threads" if d.get("torch_threads") else ""
         lines.append(f"| {name} | {d['parameters']:,} | {agreement} | {d['wall_time_s'] / 60:.0f} min{long_run} | "
-                     f"{d['device']}, {d['torch_threads']} threads |")
+                     f"{d['device']}{threads} |")
     for name, d in report["drafters"].items():
         for i, run in enumerate(long_runs(d)):
             lines += ["", long_run_sentence(name, run, i)]

@@ -47,7 +47,7 @@ from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card
 from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset, run_tokens
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
-KL_WEIGHTS = {"moa-tli0": 1.0, "eagle": 0.1}  # each drafter's last long run on CPU (cards)
+KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}  # each drafter's last long run on CPU (cards)
 DATASET_NAME = "smollm2_accelerator_responses.json.gz"
 REPORT_NAME = "report.json"
 
@@ -184,22 +184,32 @@ def save_dataset(train: list[DraftExample], held: list[DraftExample], path: Path
 # -- 4. drafters ------------------------------------------------------------------------------
 def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,
                   seconds: float, batch: int, lr: float, max_length: int, work: Path, out: Path) -> dict:
-    """Warm-start `name` from `shipped`, train it for `seconds`, write it in fp16 to out/name."""
+    """Train `name` for `seconds` (warm-started from `shipped` where it holds that drafter, else
+    from scratch: the recipe's shape, MoA's LSA over every 3rd layer, the staircase curriculum over
+    the first 5% of the schedule), then write it in fp16 to out/name."""
     from vllm_moa.models import load_drafter
+    from vllm_moa.recipes.smollm2 import draft_vocabulary
     from vllm_moa.training.trainer import TrainConfig, Trainer
 
-    loaded = load_drafter(shipped / name, target)
-    kind, tli, _ = DRAFTERS[name]
-    options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
-    vocab = loaded.draft_vocab
+    kind, tli, options = DRAFTERS[name]
+    warm = (shipped / name / "model.safetensors").is_file()
+    if warm:
+        loaded = load_drafter(shipped / name, target)
+        options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
+        vocab = loaded.draft_vocab
+    else:
+        options = {**options, "lsa_layer_stride": 3} if kind == "moa" else dict(options)
+        vocab = torch.tensor(draft_vocabulary(train, SmolRecipe.draft_vocab_size, target.vocab_size,
+                                              [target.hf_model.generation_config.eos_token_id]))
     if vocab is not None:
         options["draft_vocab_size"] = int(vocab.numel())
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=10**6, batch_size=batch, lr=lr,
                          min_lr_ratio=0.05, kl_weight=KL_WEIGHTS[name], warmup_steps=30, max_length=max_length,
-                         eval_depth=SmolRecipe.eval_depth, output_dir=str(work / name), staircase_until=0.0,
-                         precision="auto", seed=0, progress=False)
+                         eval_depth=SmolRecipe.eval_depth, output_dir=str(work / name),
+                         staircase_until=0.0 if warm else 0.05, precision="auto", seed=0, progress=False)
     trainer = Trainer(config, target, train, held, draft_vocab=vocab.cpu() if vocab is not None else None)
-    trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    if warm:
+        trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
     started = time.time()
     deadline, mark, log = started + seconds, None, []
     while time.time() < deadline and trainer.step < config.steps:
@@ -218,7 +228,8 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     trainer.drafter.save_pretrained(tmp)
     write_fp16(tmp, out / name)
     dump = config.model_dump(mode="json")
-    return {"kind": kind, "tli": tli, "steps": trainer.step, "schedule_steps": config.steps,
+    return {"kind": kind, "tli": tli, "warm_start": warm, "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
+            "steps": trainer.step, "schedule_steps": config.steps,
             "batch_size": batch, "lr": lr, "max_length": max_length,
             "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if trainer.device.type == "cuda" else "auto",
             "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
@@ -295,8 +306,18 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
     entries = {}
     for name in names:
         run = report["drafters"][name]
-        before = heldout_agreement(destination / name, name, target, held, SmolRecipe())
         after = heldout_agreement(results / name, name, target, held, SmolRecipe())
+        if name not in card["drafters"]:  # trained from scratch on the accelerator: a new entry, no long run
+            write_fp16(results / name, destination / name)
+            card["drafters"][name] = {
+                "kind": run["kind"], "tli": run["tli"], "parameters": run.get("parameters"), "steps": run["steps"],
+                "batch_size": run["batch_size"], "target_tokens": run["target_tokens"],
+                "heldout_agreement_by_depth": after, "wall_time_s": run["train_seconds"],
+                "device": report["device"], "torch_threads": None,
+                "provenance": {**report["provenance"], "shipped_by": code_state["commit"]}}
+            entries[name] = {"before": None, "after": after}
+            continue
+        before = heldout_agreement(destination / name, name, target, held, SmolRecipe())
         entry = card["drafters"][name]
         write_fp16(results / name, destination / name)
         entry["heldout_agreement_by_depth"] = after
