@@ -12,7 +12,8 @@
 #        benchmarks/accelerator_smollm2.sh receive      # + the Triton kernel tests on the GPU
 #   3. device call 2 (within the machine's idle window), carry [".gpu/b", ".gpu/shipped/moa-tli0",
 #      ".gpu/setup.sh"]:
-#        SECONDS_BUDGET=540 CODE_COMMIT=<main's commit> benchmarks/accelerator_smollm2.sh run
+#        SECONDS_BUDGET=540 CODE_COMMIT=<main's commit> [NAMES="moa-tli0 moa-tli1 eagle"] \
+#            benchmarks/accelerator_smollm2.sh run
 #      $OUT then holds the new token-id dataset, both drafters (fp16) and report.json; ship with
 #        python -m vllm_moa.recipes.smollm2_accelerator --ship <that folder>
 set -euo pipefail
@@ -54,7 +55,7 @@ run)
     cat "$STAGE/a" "$STAGE/b" | xz -d -T0 > "$STAGE/smollm2.gguf"
     python3 -m vllm_moa.recipes.smollm2_accelerator --gguf "$STAGE/smollm2.gguf" --shipped "$STAGE/shipped" \
         --work "$STAGE/work" --out "${OUT:-$STAGE/out}" --seconds "${SECONDS_BUDGET:-540}" \
-        --code-commit "${CODE_COMMIT:-unknown}" --batch-generate 2048 --magpie-requests 65536 \
+        --code-commit "${CODE_COMMIT:-unknown}" --batch-generate 2048 --magpie-requests 65536 ${NAMES:+--names $NAMES} \
         2>&1 | grep --line-buffered -v "it/s\]" | tee "${OUT:-$STAGE}/job.log"
     ;;
 *)
