@@ -53,10 +53,12 @@ run)
     source .gpu/setup.sh
     cp .gpu/b "$STAGE/b" && cp -r .gpu/shipped/moa-tli0 "$STAGE/shipped/"
     cat "$STAGE/a" "$STAGE/b" | xz -d -T0 > "$STAGE/smollm2.gguf"
+    # at most 8 files come back from $OUT: dataset + report + 2 per drafter, + the log while it fits
+    LOG_DIR=${OUT:-$STAGE}; [ "$(echo ${NAMES:-a b} | wc -w)" -gt 2 ] && LOG_DIR=$STAGE
     python3 -m vllm_moa.recipes.smollm2_accelerator --gguf "$STAGE/smollm2.gguf" --shipped "$STAGE/shipped" \
         --work "$STAGE/work" --out "${OUT:-$STAGE/out}" --seconds "${SECONDS_BUDGET:-540}" \
         --code-commit "${CODE_COMMIT:-unknown}" --batch-generate 2048 --magpie-requests 65536 ${NAMES:+--names $NAMES} \
-        2>&1 | grep --line-buffered -v "it/s\]" | tee "${OUT:-$STAGE}/job.log"
+        2>&1 | grep --line-buffered -v "it/s\]" | tee "$LOG_DIR/job.log"
     ;;
 *)
     sed -n '2,19p' "$0"
