@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -36,12 +37,21 @@ def chain_estimate(agreement: list[float], k: int = 3) -> float:
     return round(total, 3)
 
 
+def schedule_from_log(log: str, name: str) -> dict:
+    """What the job's log says of drafter `name`: its time share and the last schedule length it
+    printed ("<name> step S/N": N is the schedule the learning rate decays over)."""
+    share = re.findall(rf"training {re.escape(name)} for (\d+) s", log)
+    steps = re.findall(rf"{re.escape(name)} step (\d+)/(\d+)", log)
+    return {"share_s": int(share[-1]) if share else None, "schedule_steps": int(steps[-1][1]) if steps else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="the run's --out (report.json)")
     parser.add_argument("--heldout", type=Path, nargs="+", required=True,
                         help="heldout_agreement_smollm2.py files: first drafter 'shipped' (before), then the run's")
     parser.add_argument("--kernel-log", type=Path, default=None, help="pytest tests/unit/kernels on the device")
+    parser.add_argument("--job-log", type=Path, default=None, help="the job's log (time shares, schedules)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -51,7 +61,11 @@ def main() -> None:
         data = json.loads(path.read_text())
         name = data["recipe_drafter"]
         rows = [d for d in data["drafters"] if d["split"] == "heldout"]
-        before, after = rows[0]["heldout_agreement_by_depth"], rows[1]["heldout_agreement_by_depth"]
+        shipped = [d for d in rows if Path(d["path"]).parts[-3:] == ("assets", "smollm2", name)]
+        ran = [d for d in rows if d not in shipped]
+        if len(shipped) != 1 or len(ran) != 1:
+            raise SystemExit(f"{path}: want the shipped {name} and one other drafter, got {[d['path'] for d in rows]}")
+        before, after = shipped[0]["heldout_agreement_by_depth"], ran[0]["heldout_agreement_by_depth"]
         run = report["drafters"][name]
         drafters[name] = {
             **{k: v for k, v in run.items() if k not in ("config", "metrics")},
@@ -62,6 +76,7 @@ def main() -> None:
                                if d["split"] == "train-first"},
             "heldout_file_commit": data["provenance"]["commit"],
             "metrics": run["metrics"],
+            **({"from_job_log": schedule_from_log(args.job_log.read_text(), name)} if args.job_log else {}),
         }
     kernel_summary = None
     if args.kernel_log:

@@ -44,10 +44,11 @@ from pathlib import Path
 import torch
 
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card, provenance, write_fp16
-from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset, run_tokens
+from vllm_moa.recipes.smollm2_long import DATASET, SHIPPED, heldout_agreement, load_dataset, run_tokens
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
-KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}  # each drafter's last long run on CPU (cards)
+# each drafter's last long run on CPU (cards); MoA TLI=1 has none: MoA TLI=0's
+KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}
 DATASET_NAME = "smollm2_accelerator_responses.json.gz"
 REPORT_NAME = "report.json"
 
@@ -154,20 +155,21 @@ def build_responses(work: Path, hf_model, prompts: list[list[int]], eos: int, ma
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     halves = {0.0: order[0::2], SmolRecipe.sample_temperature: order[1::2]}
-    examples, generated = [], 0
+    examples, generated, per_temperature = [], 0, {}
     for number, (temperature, indices) in enumerate(halves.items()):
         share = started + seconds * (number + 1) / len(halves)  # each half gets its share of the time
         outs = generate_batched(hf_model, [prompts[i] for i in indices], max_new_tokens, temperature,
                                 seed + 7919 * (number + 1), eos, batch_size, deadline=share)
-        for i, out in zip(indices, outs):
-            if out:
-                examples.append(DraftExample(tuple(prompts[i] + out), len(prompts[i])))
-                generated += len(out)
+        answered = [(i, out) for i, out in zip(indices, outs) if out]
+        per_temperature[str(temperature)] = len(answered)  # a half that ran out of time answers fewer
+        for i, out in answered:
+            examples.append(DraftExample(tuple(prompts[i] + out), len(prompts[i])))
+            generated += len(out)
     elapsed = time.time() - started
     report["responses"] = {"generator": "transformers (batched, fp32)", "train_sequences": len(examples),
                            "train_response_tokens": generated,
                            "train_prompt_tokens": sum(e.prompt_length for e in examples),
-                           "greedy_share": 0.5, "sample_temperature": SmolRecipe.sample_temperature,
+                           "sequences_by_temperature": per_temperature, "sample_temperature": SmolRecipe.sample_temperature,
                            "max_tokens": max_new_tokens, "batch_size": batch_size, "wall_time_s": round(elapsed, 1),
                            "tokens_per_s": round(generated / max(elapsed, 1e-9), 1)}
     _save_json(path, examples_to_json(examples))
@@ -189,7 +191,7 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     the first 5% of the schedule), then write it in fp16 to out/name."""
     from vllm_moa.models import load_drafter
     from vllm_moa.recipes.smollm2 import draft_vocabulary
-    from vllm_moa.training.trainer import TrainConfig, Trainer
+    from vllm_moa.training.trainer import TrainConfig, Trainer, uses_bf16
 
     kind, tli, options = DRAFTERS[name]
     warm = (shipped / name / "model.safetensors").is_file()
@@ -216,7 +218,7 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
         metrics = trainer.train_step()
         if trainer.step == 20:  # the first steps are slow (allocator, kernel selection): timed from here
             mark = (trainer.step, time.time())
-        elif mark is not None and trainer.step % 50 == 0:  # the schedule ends where the time share does
+        elif mark is not None and trainer.step % 10 == 0:  # the schedule ends where the time share does
             rate = (time.time() - mark[1]) / (trainer.step - mark[0])
             config.steps = trainer.step + max(1, int((deadline - time.time()) / rate))
         if trainer.step % 50 == 0:
@@ -231,7 +233,7 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     return {"kind": kind, "tli": tli, "warm_start": warm, "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
             "steps": trainer.step, "schedule_steps": config.steps,
             "batch_size": batch, "lr": lr, "max_length": max_length,
-            "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if trainer.device.type == "cuda" else "auto",
+            "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if uses_bf16(config.precision, trainer.device) else "fp32",
             "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
             "sequences": len(train), "heldout_agreement_device": agreement, "metrics": log, "config": dump}
 
@@ -250,15 +252,17 @@ def run_job(args: argparse.Namespace) -> dict:
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    report["provenance"] = {**provenance(), "code": args.code_commit or provenance()["commit"]}
+    here = provenance()  # on a device the checkout may be a copy whose git state is not the code's
+    report["provenance"] = {**here, "commit": args.code_commit or here["commit"], "checkout_commit": here["commit"],
+                            "dirty": here["dirty"] if not args.code_commit else None}
     old_train, held = load_dataset()
     folder = target_folder(work, args.gguf)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     target = TargetModel.from_pretrained(folder, device=device)  # fp32: generation as the CPU target does it
     eos = target.hf_model.generation_config.eos_token_id
-    if tokenizer.eos_token_id != eos:  # generation would run past the end of every turn
+    if tokenizer.eos_token_id not in (eos if isinstance(eos, list) else [eos]):  # turns would never end
         raise ValueError(f"{folder}: the tokenizer's EOS is {tokenizer.eos_token_id}, the model's {eos}: convert the "
-                         "target again (vllm-moa fetch smollm2 --force)")
+                         f"target again (remove {folder}, or run vllm-moa fetch smollm2 --force without --gguf)")
     _log(f"target on {report['device']} after {time.time() - start:.0f} s")
     prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
                             args.prompt_seconds, held, args.seed, report)
@@ -279,6 +283,9 @@ def run_job(args: argparse.Namespace) -> dict:
         left = args.seconds - (time.time() - start) - args.reserve_seconds
         share = left / (len(names) - index)
         _log(f"training {name} for {share:.0f} s")
+        if share < 30:  # the data stages overran: no drafter rather than an untrained one
+            report["drafters"][name] = {"error": f"no time left to train ({share:.0f} s)"}
+            continue
         try:
             report["drafters"][name] = train_drafter(name, target, train, held, args.shipped, share,
                                                      args.batch, args.lr, args.max_length, work, out)
@@ -293,6 +300,17 @@ def run_job(args: argparse.Namespace) -> dict:
     return report
 
 
+def _keep_dataset(path: Path) -> str:
+    """Copy a run's new token ids into the package's data folder under a content-addressed name
+    (runs never overwrite each other's); returns that path relative to the package."""
+    import shutil
+
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
+    kept = DATASET.parent / f"{path.name.removesuffix('.json.gz')}-{digest}.json.gz"
+    shutil.copyfile(path, kept)
+    return str(kept.relative_to(DATASET.parents[3]))
+
+
 def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> dict:
     """Ship the drafters an accelerator run returned (results: its --out) into `destination`."""
     from vllm_moa.target import TargetModel
@@ -304,10 +322,13 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
     _, held = load_dataset()
     card = json.loads((destination / "card.json").read_text())
     entries = {}
+    dataset = _keep_dataset(results / DATASET_NAME)
     for name in names:
-        run = report["drafters"][name]
+        run = report["drafters"].get(name, {"error": "not in the run's report"})
+        if "error" in run:
+            raise ValueError(f"{results}: {name} did not train ({run['error']}): ship the others with --names")
         after = heldout_agreement(results / name, name, target, held, SmolRecipe())
-        if name not in card["drafters"]:  # trained from scratch on the accelerator: a new entry, no long run
+        if not run.get("warm_start", True) or name not in card["drafters"]:  # from scratch: a new entry
             write_fp16(results / name, destination / name)
             card["drafters"][name] = {
                 "kind": run["kind"], "tli": run["tli"], "parameters": run.get("parameters"), "steps": run["steps"],
@@ -331,7 +352,7 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
             "kl_weight": run["kl_weight"], "heldout_agreement_before": before, "checkpoint": "accelerator run",
             "data": {"new_sequences": report["responses"]["train_sequences"],
                      "new_response_tokens": report["responses"]["train_response_tokens"],
-                     "dataset": DATASET_NAME},
+                     "dataset": dataset},
             "provenance": {**report["provenance"], "shipped_by": code_state["commit"]},
         }]
         entry.pop("long_run", None)

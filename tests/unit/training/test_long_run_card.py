@@ -31,3 +31,15 @@ def test_the_card_sentence_counts_the_added_steps():
     sentence = long_run_sentence("eagle", run, 1)
     assert "+2,654 steps" in sentence and "step-3805 checkpoint shipped before" in sentence
     assert "0.70 CPU-hours" in sentence and "at step 6459" in sentence
+
+
+def test_an_accelerator_run_is_told_as_one():
+    """A run of recipes/smollm2_accelerator.py names the device and its new data, and no CPU cores."""
+    run = {"steps": 7597, "from_step": 0, "batch_size": 64, "sequences": 2985, "target_tokens": 72957553,
+           "lr": 0.0006, "schedule_steps": 8259, "precision": "bf16", "accelerator": "NVIDIA H200", "cores": None,
+           "train_seconds_recorded": 372.1, "recorded_since_step": 0, "data": {"new_sequences": 16},
+           "heldout_agreement_before": [0.5] * 7}
+    sentence = long_run_sentence("eagle", run, 1)
+    assert sentence.startswith("eagle then trained on one NVIDIA H200 (vllm_moa/recipes/smollm2_accelerator.py")
+    assert "(16 of them new)" in sentence and "372 s of training" in sentence and "over 8,259 steps" in sentence
+    assert "cores" not in sentence and "nice 19" not in sentence and "at the end of the run (step 7597)" in sentence
