@@ -114,10 +114,6 @@ class TargetOutput:
         """[B, T] the target's argmax next token."""
         return self.argmax if self.argmax is not None else self.logits.argmax(-1)
 
-    def lsa_rows(self) -> Tensor:
-        """[B, T, L, 2 * Ekv] per-layer K/V rows (the LSA input)."""
-        return self.layer_rows if self.layer_rows is not None else stack_layer_kv(self.keys, self.values)
-
 
 class TargetModel(nn.Module):
     """A frozen transformers causal LM seen through the operations MoA needs."""

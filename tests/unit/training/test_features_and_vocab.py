@@ -107,14 +107,14 @@ def test_a_cache_of_other_data_or_target_is_refused(tmp_path):
         Trainer(config, other, examples, features=FeatureCache(tmp_path / "f"))
 
 
-@pytest.mark.parametrize("kind,tli", [("moa", 0), ("moa", 1), ("eagle", 0)])
-def test_training_on_cached_features_matches_online_training(tmp_path, kind, tli):
+@pytest.mark.parametrize("kind,tli,stride", [("moa", 0, 1), ("moa", 1, 1), ("moa", 0, 2), ("eagle", 0, 1)])
+def test_training_on_cached_features_matches_online_training(tmp_path, kind, tli, stride):
     """The same steps from the cache and from online target forwards give the same losses (up to
-    fp16 storage) and the loss falls."""
+    fp16 storage) and the loss falls; with an LSA layer stride, both paths read the same layers."""
     target = make_target()
     examples = _examples(16)
     cache = build_feature_cache(target, examples, tmp_path / "f", 32, progress=False)
-    options = SMALL if kind == "moa" else {}
+    options = {**SMALL, "lsa_layer_stride": stride} if kind == "moa" else {}
     losses = {}
     for mode in ("online", "cached"):
         config = TrainConfig(drafter=kind, tli=tli, steps=12, batch_size=4, warmup_steps=1, lr=3e-3,

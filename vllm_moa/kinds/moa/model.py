@@ -215,16 +215,20 @@ class MoADrafter(Drafter):
         ids, s = batch.input_ids, batch.last_anchor
         b, t = ids.shape
         positions = torch.arange(t, device=ids.device).expand(b, t)
-        layer_rows = target_out.lsa_rows()  # [B, T, L, 2*Ekv]
-        layer_rows = layer_rows.reshape(b * t, *layer_rows.shape[2:])
+        # only the layers LSA reads are gathered (a stride of 3 on SmolLM2: 10 of 30)
+        if target_out.layer_rows is not None:
+            layer_rows = self.lsa.select_rows(target_out.layer_rows, 2)  # [B, T, L', 2*Ekv]
+        else:
+            layer_rows = stack_layer_kv(self.lsa.select(target_out.keys), self.lsa.select(target_out.values))
+        layer_rows = layer_rows.reshape(b * t, *layer_rows.shape[2:])  # [B*T, L', 2*Ekv]
         final_target = target_out.hidden_states[-1]  # [B, T, E]
         final_in = final_target.reshape(b * t, -1) if self.lsa.hidden2e is not None else None
         real = batch.real_tokens()  # LSA is per token: padding (never read by a real position) is skipped
         if real is None:
-            flat = self.lsa.add_final_hidden(self.lsa(self.lsa.select_rows(layer_rows, 1)), final_in)
+            flat = self.lsa.add_final_hidden(self.lsa(layer_rows), final_in)
             rows = flat.view(b, t, -1)  # [B, T, E]
         else:
-            flat = self.lsa(self.lsa.select_rows(layer_rows.index_select(0, real), 1))  # [R, E]
+            flat = self.lsa(layer_rows.index_select(0, real))  # [R, E]
             flat = self.lsa.add_final_hidden(flat, None if final_in is None else final_in.index_select(0, real))
             rows = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, real, flat).view(b, t, -1)
         hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
