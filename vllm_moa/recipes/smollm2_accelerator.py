@@ -279,9 +279,10 @@ def run_job(args: argparse.Namespace) -> dict:
     train = old_train + new
     names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
     report.setdefault("drafters", {})
-    for index, name in enumerate(names):
-        left = args.seconds - (time.time() - start) - args.reserve_seconds
-        share = left / (len(names) - index)
+    # equal shares, fixed now: each drafter's evaluation and writing come out of the reserve, not
+    # out of the next drafter's share
+    share = (args.seconds - (time.time() - start) - args.reserve_seconds) / max(1, len(names))
+    for name in names:
         _log(f"training {name} for {share:.0f} s")
         if share < 30:  # the data stages overran: no drafter rather than an untrained one
             report["drafters"][name] = {"error": f"no time left to train ({share:.0f} s)"}
@@ -300,15 +301,17 @@ def run_job(args: argparse.Namespace) -> dict:
     return report
 
 
-def _keep_dataset(path: Path) -> str:
-    """Copy a run's new token ids into the package's data folder under a content-addressed name
-    (runs never overwrite each other's); returns that path relative to the package."""
+def _keep_dataset(path: Path, folder: Path) -> str:
+    """Copy a run's new token ids into `folder` under a content-addressed name (runs never
+    overwrite each other's); returns the copy's path (relative to the checkout when inside it)."""
     import shutil
 
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
-    kept = DATASET.parent / f"{path.name.removesuffix('.json.gz')}-{digest}.json.gz"
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"{path.name.removesuffix('.json.gz')}-{digest}.json.gz"
     shutil.copyfile(path, kept)
-    return str(kept.relative_to(DATASET.parents[3]))
+    root = DATASET.parents[3]
+    return str(kept.relative_to(root)) if kept.resolve().is_relative_to(root.resolve()) else str(kept)
 
 
 def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> dict:
@@ -322,7 +325,9 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
     _, held = load_dataset()
     card = json.loads((destination / "card.json").read_text())
     entries = {}
-    dataset = _keep_dataset(results / DATASET_NAME)
+    # the package's data folder for a real ship; beside the drafters for any other destination
+    data_folder = DATASET.parent if destination.resolve() == SHIPPED.resolve() else destination / "data"
+    dataset = _keep_dataset(results / DATASET_NAME, data_folder)
     for name in names:
         run = report["drafters"].get(name, {"error": "not in the run's report"})
         if "error" in run:
@@ -370,7 +375,8 @@ def main() -> None:
     parser.add_argument("--shipped", type=Path, default=SHIPPED, help="drafters to warm-start from")
     parser.add_argument("--names", nargs="+", default=["moa-tli0", "eagle"], choices=sorted(KL_WEIGHTS))
     parser.add_argument("--seconds", type=float, default=540, help="the whole job's wall-clock budget")
-    parser.add_argument("--reserve-seconds", type=float, default=25, help="kept for evaluation and writing")
+    parser.add_argument("--reserve-seconds", type=float, default=40,
+                        help="kept for the drafters' evaluations and writing (all of them together)")
     parser.add_argument("--prompt-seconds", type=float, default=45)
     parser.add_argument("--response-seconds", type=float, default=150)
     parser.add_argument("--magpie-requests", type=int, default=32768)
