@@ -15,6 +15,10 @@ drafter directory (config.json + model.safetensors), e.g. a checkpoint's drafter
 first 96 of the dataset, in every long run's subset; the last 96, only in runs on all of it): the
 gap between them and the held-out ones is what the drafter memorised.
 
+--bootstrap N (default 2000) resamples the sequences: each row gets its chain K=3 estimate with a
+95% interval, and every row after the first of its split the interval of its difference from that
+first row, over the same resamples (paired), which is what "within noise" means in these files.
+
 Writes the JSON (with provenance and each drafter's card or training state where there is one)
 and a PNG of agreement against depth.
 """
@@ -26,6 +30,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -33,7 +38,7 @@ import torch  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
-from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement, load_dataset  # noqa: E402
+from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement_by_sequence, load_dataset  # noqa: E402
 
 SPLITS = {  # (train, held-out) -> 96 sequences
     "heldout": lambda train, held: held,
@@ -59,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--splits", nargs="+", choices=sorted(SPLITS), default=["heldout"],
                         help="sequences to evaluate on (96 each): held-out, or training sequences (memorisation)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--bootstrap", type=int, default=2000,
+                        help="resamples of the sequences for 95%% intervals of each drafter's chain K=3 estimate and "
+                             "of its difference from the first drafter's (paired: the same resampled sequences)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "heldout_agreement_smollm2.json")
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.drafters):
@@ -79,9 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
         for split in args.splits:
             label = args.labels[index] if args.labels else name
             label = label if args.splits == ["heldout"] else f"{label} ({split})"
-            by_depth = heldout_agreement(directory, args.recipe, target, SPLITS[split](train, held), recipe)
-            rows.append({"label": label, "split": split, **describe(directory), "heldout_agreement_by_depth": by_depth})
-            print(json.dumps(rows[-1]))
+            per_sequence = heldout_agreement_by_sequence(directory, args.recipe, target, SPLITS[split](train, held),
+                                                         recipe)
+            rows.append({"label": label, "split": split, **describe(directory),
+                         "heldout_agreement_by_depth": agreement(per_sequence), "per_sequence": per_sequence})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_sequence"}))
+    intervals = bootstrap(rows, args.bootstrap) if args.bootstrap else {}
+    for row in rows:
+        row.pop("per_sequence")
+        row.update(intervals.get((row["label"], row["split"]), {}))
     result = {"what": "held-out top-1 agreement with SmolLM2-135M-Instruct by draft depth (index k >= 1: the k-th "
                       "drafted token; index 0: the anchor itself, which the target supplies at inference), the "
                       "trainer's evaluation in fp32 on the committed dataset's 96 held-out sequences",
@@ -101,6 +115,41 @@ def main(argv: list[str] | None = None) -> dict:
     figure.tight_layout()
     figure.savefig(args.out.with_suffix(".png"), dpi=120)
     return result
+
+
+def agreement(per_sequence: list[tuple[list[float], list[float]]]) -> list[float | None]:
+    """Agreement by depth from per-sequence (hits, counts), rounded as the trainer rounds it."""
+    hits = np.sum([h for h, _ in per_sequence], axis=0)
+    counts = np.sum([c for _, c in per_sequence], axis=0)
+    return [round(float(h / c), 4) if c > 0 else None for h, c in zip(hits, counts)]
+
+
+def chain_estimate(hits: np.ndarray, counts: np.ndarray, k: int = 3) -> np.ndarray:
+    """1 + a1 + a1 a2 + ... + a1..ak from summed hits / counts [..., depth]: the expected tokens per
+    target forward of a chain of k drafts if depth d is accepted with its agreement."""
+    rates = hits[..., 1 : k + 1] / np.maximum(counts[..., 1 : k + 1], 1)
+    return 1 + np.cumprod(rates, axis=-1).sum(-1)
+
+
+def bootstrap(rows: list[dict], resamples: int, seed: int = 0) -> dict:
+    """95% intervals of each row's chain K=3 estimate and of its difference from the first row of
+    its split, resampling sequences with replacement (the same resamples for every row: paired)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for split in dict.fromkeys(row["split"] for row in rows):
+        group = [row for row in rows if row["split"] == split]
+        hits = np.array([[h for h, _ in row["per_sequence"]] for row in group])  # [drafters, sequences, depth]
+        counts = np.array([[c for _, c in row["per_sequence"]] for row in group])
+        picks = rng.integers(0, hits.shape[1], size=(resamples, hits.shape[1]))
+        estimates = chain_estimate(hits[:, picks].sum(2), counts[:, picks].sum(2))  # [drafters, resamples]
+        for index, row in enumerate(group):
+            entry = {"chain3_estimate": round(float(chain_estimate(hits[index].sum(0), counts[index].sum(0))), 4),
+                     "chain3_estimate_95": [round(float(q), 4) for q in np.percentile(estimates[index], [2.5, 97.5])]}
+            if index:
+                difference = estimates[index] - estimates[0]
+                entry["chain3_minus_first_95"] = [round(float(q), 4) for q in np.percentile(difference, [2.5, 97.5])]
+            out[(row["label"], row["split"])] = entry
+    return out
 
 
 if __name__ == "__main__":

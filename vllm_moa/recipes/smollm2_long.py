@@ -89,6 +89,18 @@ def heldout_agreement(drafter_dir: Path, name: str, target, held: list[DraftExam
                       recipe: SmolRecipe) -> list[float | None]:
     """The trainer's held-out agreement by depth (0..eval_depth) of the drafter in `drafter_dir`, in
     fp32 (drafters trained in bf16 or shipped in fp16 compare on equal terms)."""
+    return _held_out_evaluation(drafter_dir, name, target, held, recipe, by_sequence=False)
+
+
+def heldout_agreement_by_sequence(drafter_dir: Path, name: str, target, held: list[DraftExample],
+                                  recipe: SmolRecipe) -> list[tuple[list[float], list[float]]]:
+    """The same evaluation's (hits, counts) by depth for each sequence of `held` (their sums give
+    `heldout_agreement`): for confidence intervals by resampling sequences."""
+    return _held_out_evaluation(drafter_dir, name, target, held, recipe, by_sequence=True)
+
+
+def _held_out_evaluation(drafter_dir: Path, name: str, target, held: list[DraftExample], recipe: SmolRecipe,
+                         by_sequence: bool):
     import tempfile
 
     from vllm_moa.models import load_drafter
@@ -107,7 +119,7 @@ def heldout_agreement(drafter_dir: Path, name: str, target, held: list[DraftExam
                              precision="fp32", seed=recipe.seed, progress=False)
         trainer = Trainer(config, target, held, held, draft_vocab=vocab)
         trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
-        return trainer.evaluate()
+        return trainer.evaluate_by_sequence() if by_sequence else trainer.evaluate()
 
 
 def run_tokens(train: list[DraftExample], config: dict, steps: int) -> int:

@@ -289,22 +289,33 @@ class Trainer:
     def evaluate(self, examples: Sequence[DraftExample] | None = None, batch_size: int = 8) -> list[float | None]:
         """Top-1 agreement with the target at draft depths 0..eval_depth (causal SA, exact
         EAGLE feature autoregression)."""
-        examples = list(self.eval_examples if examples is None else examples)
-        if not examples:
+        per_sequence = self.evaluate_by_sequence(examples, batch_size)
+        if not per_sequence:
             return []
+        hits = torch.tensor([h for h, _ in per_sequence]).sum(0)
+        counts = torch.tensor([c for _, c in per_sequence]).sum(0)
+        return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]
+
+    @torch.no_grad()
+    def evaluate_by_sequence(self, examples: Sequence[DraftExample] | None = None,
+                             batch_size: int = 8) -> list[tuple[list[float], list[float]]]:
+        """`evaluate`'s counts per sequence: (hits, counts) at depths 0..eval_depth for each
+        example, in order (the same anchors as `evaluate`: sums of these are its figures). For
+        confidence intervals by resampling sequences."""
+        examples = list(self.eval_examples if examples is None else examples)
         self.drafter.eval()
         depth = self.config.eval_depth
-        hits = torch.zeros(depth + 1, device=self.device)
-        counts = torch.zeros(depth + 1, device=self.device)
+        out: list[tuple[list[float], list[float]]] = []
         for start in range(0, len(examples), batch_size):
             chunk = examples[start : start + batch_size]
             indices = list(range(10**9 + start, 10**9 + start + len(chunk)))  # eval-only rng stream
             batch, s, output, target_out, _ = self._forward(chunk, indices, 0, 0.0, eval_depth=depth)
-            h, c = agreement_by_depth(output.tokens(), target_out.greedy_tokens(), draft_depth(s), batch.loss_mask,
-                                      depth)
-            hits += h
-            counts += c
-        return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]
+            drafted, wanted, depths = output.tokens(), target_out.greedy_tokens(), draft_depth(s)
+            for row in range(len(chunk)):
+                h, c = agreement_by_depth(drafted[row : row + 1], wanted[row : row + 1], depths[row : row + 1],
+                                          batch.loss_mask[row : row + 1], depth)
+                out.append((h.tolist(), c.tolist()))
+        return out
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

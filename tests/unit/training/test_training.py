@@ -214,3 +214,18 @@ def test_a_cpu_budget_stops_with_a_checkpoint_and_counts_resumed_time(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     cpu = [line["train_cpu_seconds"] for line in lines]  # cumulative, logged with every line
     assert cpu == sorted(cpu) and cpu[-1] > 0
+
+
+@pytest.mark.parametrize("drafter", ["moa", "eagle"])
+def test_evaluation_by_sequence_adds_up_to_the_evaluation(tmp_path, drafter):
+    """Per-sequence counts (for resampling intervals) sum to `evaluate`'s figures: the same anchors."""
+    options = SMALL if drafter == "moa" else dict(intermediate_size=64)
+    data = _examples(11, length=24)
+    trainer = Trainer(_config(tmp_path, drafter=drafter, drafter_options=options), make_target("llama"), data, data)
+    trainer.train_step()
+    per_sequence = trainer.evaluate_by_sequence(batch_size=4)
+    assert len(per_sequence) == len(data)
+    hits = torch.tensor([h for h, _ in per_sequence]).sum(0)
+    counts = torch.tensor([c for _, c in per_sequence]).sum(0)
+    assert [round((h / c).item(), 4) for h, c in zip(hits, counts)] == trainer.evaluate(batch_size=4)
+    assert len({tuple(c) for _, c in per_sequence}) > 1  # sequences differ: not one count copied
