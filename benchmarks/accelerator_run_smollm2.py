@@ -17,24 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
+from benchmarks.heldout_agreement_smollm2 import chain_estimate  # noqa: E402
 from benchmarks.provenance import provenance  # noqa: E402
 
 
-def chain_estimate(agreement: list[float], k: int = 3) -> float:
-    """Expected tokens per target forward of a chain of k drafts if depth d is accepted with the
-    agreement at depth d given all before it (1 + a1 + a1 a2 + ...)."""
-    total, running = 1.0, 1.0
-    for a in agreement[1 : k + 1]:
-        running *= a
-        total += running
-    return round(total, 3)
+def chain3(agreement: list[float]) -> float:
+    """The chain K=3 estimate of an agreement curve (heldout_agreement_smollm2.chain_estimate)."""
+    return round(float(chain_estimate(np.array(agreement), np.ones(len(agreement)))), 3)
 
 
 def schedule_from_log(log: str, name: str) -> dict:
@@ -43,6 +41,15 @@ def schedule_from_log(log: str, name: str) -> dict:
     share = re.findall(rf"training {re.escape(name)} for (\d+) s", log)
     steps = re.findall(rf"{re.escape(name)} step (\d+)/(\d+)", log)
     return {"share_s": int(share[-1]) if share else None, "schedule_steps": int(steps[-1][1]) if steps else None}
+
+
+def device_provenance(reported: dict) -> dict:
+    """What ran on the device: the commit its code was (`--code-commit`: the device gets a copy of
+    the tree, whose own git reading describes the copy, not the code), Python, torch, cores."""
+    commit = reported.get("code") or reported["commit"]
+    return {"commit": subprocess.run(["git", "rev-parse", commit], capture_output=True, text=True).stdout.strip()
+            or commit, "code": "that commit's tree (assets and results left behind for the transfer)",
+            **{k: reported[k] for k in ("python", "torch", "cpu_count", "torch_threads", "machine") if k in reported}}
 
 
 def main() -> None:
@@ -71,7 +78,7 @@ def main() -> None:
             **{k: v for k, v in run.items() if k not in ("config", "metrics")},
             "target_tokens_per_s": round(run["target_tokens"] / run["train_seconds"]),
             "heldout_agreement_fp32_before": before, "heldout_agreement_fp32_after": after,
-            "chain3_estimate_before": chain_estimate(before), "chain3_estimate_after": chain_estimate(after),
+            "chain3_estimate_before": chain3(before), "chain3_estimate_after": chain3(after),
             "train_first_96": {d["label"]: d["heldout_agreement_by_depth"] for d in data["drafters"]
                                if d["split"] == "train-first"},
             "heldout_file_commit": data["provenance"]["commit"],
@@ -84,7 +91,7 @@ def main() -> None:
     result = {
         "what": "one run of vllm_moa/recipes/smollm2_accelerator.py on a lent GPU, and its drafters' held-out "
                 "agreement measured on CPU in fp32 (96 held-out sequences of the committed dataset)",
-        "device": report["device"], "device_provenance": report["provenance"],
+        "device": report["device"], "device_provenance": device_provenance(report["provenance"]),
         "prompts": report["prompts"], "responses": report["responses"], "warnings": report.get("warnings", []),
         "wall_time_s": report["wall_time_s"], "drafters": drafters,
         "triton_kernel_tests_on_device": kernel_summary,

@@ -68,7 +68,8 @@ DRAFTERS: dict[str, tuple[str, int, dict[str, Any]]] = {
 }
 
 
-def _save_json(path: Path, data: Any) -> None:
+def save_json(path: Path, data: Any) -> None:
+    """Write `data` as JSON atomically (a reader sees the old file or the new, never half)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
@@ -120,13 +121,13 @@ def build_prompts(work: Path, recipe: SmolRecipe, target_dir: Path, tokenizer: A
         finished = [tokenizer.decode(t[:-1]) for t in turns if t and t[-1] == eos]
         report["prompts"] = {"magpie_requests": recipe.magpie_requests, "magpie_finished": len(finished),
                              "generated_tokens": sum(map(len, turns)), "wall_time_s": round(time.time() - started, 1)}
-        _save_json(magpie_path, finished)
+        save_json(magpie_path, finished)
     magpie = dedupe(clean_user_turns(json.loads(magpie_path.read_text())))
     coding = dedupe(stdlib_coding_tasks(recipe.coding_prompts, recipe.seed))
     prompts = dedupe(magpie + coding)
     report["prompts"].update({"magpie_kept": len(magpie), "coding": len(coding), "total": len(prompts),
                               "samples": magpie[:5] + coding[:3]})
-    _save_json(path, prompts)
+    save_json(path, prompts)
     return prompts
 
 
@@ -165,7 +166,7 @@ def build_responses(work: Path, recipe: SmolRecipe, target_dir: Path, tokenizer:
         "tokens_per_s": round(sum(map(len, outputs)) / max(time.time() - started, 1e-9), 1),
         "heldout_prompt_ids": held_idx,
     }
-    _save_json(path, {"train": examples_to_json(train), "heldout": examples_to_json(held)})
+    save_json(path, {"train": examples_to_json(train), "heldout": examples_to_json(held)})
     return train, held
 
 
@@ -213,11 +214,11 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
     target_dir = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     prompts = build_prompts(work, recipe, target_dir, tokenizer, vllm_python, threads, report, progress)
-    _save_json(report_path, report)
+    save_json(report_path, report)
     if stop_after == "prompts":
         return report
     train, held = build_responses(work, recipe, target_dir, tokenizer, prompts, vllm_python, threads, report, progress)
-    _save_json(report_path, report)
+    save_json(report_path, report)
     if stop_after == "responses":
         return report
     from vllm_moa.target import TargetModel
@@ -237,7 +238,7 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
                               "response_tokens": sum(len(e.input_ids) - e.prompt_length for e in features.examples()),
                               "bytes": sum(f.stat().st_size for f in (work / "features").iterdir()),
                               "wall_time_s": round(time.time() - started, 1)}
-        _save_json(report_path, report)
+        save_json(report_path, report)
     if stop_after == "features":
         return report
     vocab = draft_vocabulary(train, recipe.draft_vocab_size, target.vocab_size, [tokenizer.eos_token_id])
@@ -264,7 +265,7 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
             "heldout_agreement_by_depth": result.eval_agreement, "wall_time_s": round(result.wall_time_s, 1),
             "device": str(trainer.device), "torch_threads": torch.get_num_threads(), "provenance": code_state,
         }
-        _save_json(report_path, report)
+        save_json(report_path, report)
     return report
 
 

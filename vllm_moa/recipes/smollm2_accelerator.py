@@ -34,7 +34,6 @@ and a `long_runs` entry in the card naming the device.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import random
@@ -43,20 +42,22 @@ from pathlib import Path
 
 import torch
 
-from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card, provenance, write_fp16
-from vllm_moa.recipes.smollm2_long import DATASET, SHIPPED, heldout_agreement, load_dataset, run_tokens
+from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card, provenance, save_json, write_fp16
+from vllm_moa.recipes.smollm2_long import (
+    DATASET,
+    SHIPPED,
+    drafter_options,
+    heldout_agreement,
+    load_dataset,
+    run_tokens,
+    save_dataset,
+)
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 # each drafter's last long run on CPU (cards); MoA TLI=1 has none: MoA TLI=0's
 KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}
 DATASET_NAME = "smollm2_accelerator_responses.json.gz"
 REPORT_NAME = "report.json"
-
-
-def _save_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
 
 
 def _log(message: str) -> None:
@@ -142,7 +143,7 @@ def build_prompts(work: Path, hf_model, tokenizer, requests: int, batch_size: in
     report["prompts"] = {"magpie_requests": len(asked), "magpie_finished": len(finished), "magpie_kept": len(magpie),
                          "coding": 0, "total": len(kept), "dropped_as_heldout": len(encoded) - len(kept),
                          "wall_time_s": round(time.time() - started, 1), "samples": magpie[:8]}
-    _save_json(path, kept)
+    save_json(path, kept)
     return kept
 
 
@@ -172,15 +173,8 @@ def build_responses(work: Path, hf_model, prompts: list[list[int]], eos: int, ma
                            "sequences_by_temperature": per_temperature, "sample_temperature": SmolRecipe.sample_temperature,
                            "max_tokens": max_new_tokens, "batch_size": batch_size, "wall_time_s": round(elapsed, 1),
                            "tokens_per_s": round(generated / max(elapsed, 1e-9), 1)}
-    _save_json(path, examples_to_json(examples))
+    save_json(path, examples_to_json(examples))
     return examples
-
-
-def save_dataset(train: list[DraftExample], held: list[DraftExample], path: Path) -> int:
-    blob = gzip.compress(json.dumps({"train": examples_to_json(train), "heldout": examples_to_json(held)},
-                                    separators=(",", ":")).encode(), mtime=0)
-    path.write_bytes(blob)
-    return len(blob)
 
 
 # -- 4. drafters ------------------------------------------------------------------------------
@@ -197,14 +191,12 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     warm = (shipped / name / "model.safetensors").is_file()
     if warm:
         loaded = load_drafter(shipped / name, target)
-        options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
-        vocab = loaded.draft_vocab
+        options, vocab = drafter_options(loaded)
     else:
-        options = {**options, "lsa_layer_stride": 3} if kind == "moa" else dict(options)
         vocab = torch.tensor(draft_vocabulary(train, SmolRecipe.draft_vocab_size, target.vocab_size,
                                               [target.hf_model.generation_config.eos_token_id]))
-    if vocab is not None:
-        options["draft_vocab_size"] = int(vocab.numel())
+        options = {**options, "draft_vocab_size": int(vocab.numel()),
+                   **({"lsa_layer_stride": 3} if kind == "moa" else {})}
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=10**6, batch_size=batch, lr=lr,
                          min_lr_ratio=0.05, kl_weight=KL_WEIGHTS[name], warmup_steps=30, max_length=max_length,
                          eval_depth=SmolRecipe.eval_depth, output_dir=str(work / name),
@@ -266,11 +258,11 @@ def run_job(args: argparse.Namespace) -> dict:
     _log(f"target on {report['device']} after {time.time() - start:.0f} s")
     prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
                             args.prompt_seconds, held, args.seed, report)
-    _save_json(report_path, report)
+    save_json(report_path, report)
     _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
     new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
                           args.batch_generate, args.response_seconds, args.seed + 1, report)
-    _save_json(report_path, report)
+    save_json(report_path, report)
     report["dataset_bytes"] = save_dataset(new, held, out / DATASET_NAME)
     if len(new) < args.min_new_sequences:  # the drafters still train (on the committed data too): said loudly
         report.setdefault("warnings", []).append(f"only {len(new)} new sequences (expected >= {args.min_new_sequences})")
@@ -293,11 +285,11 @@ def run_job(args: argparse.Namespace) -> dict:
         except Exception as err:  # the other drafter and the dataset still come back
             report["drafters"][name] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"{name} failed: {err!r}")
-        _save_json(report_path, report)
-        _save_json(out / REPORT_NAME, report)
+        save_json(report_path, report)
+        save_json(out / REPORT_NAME, report)
     report["wall_time_s"] = round(time.time() - start, 1)
-    _save_json(report_path, report)
-    _save_json(out / REPORT_NAME, report)
+    save_json(report_path, report)
+    save_json(out / REPORT_NAME, report)
     return report
 
 

@@ -99,6 +99,17 @@ def heldout_agreement_by_sequence(drafter_dir: Path, name: str, target, held: li
     return _held_out_evaluation(drafter_dir, name, target, held, recipe, by_sequence=True)
 
 
+def drafter_options(loaded) -> tuple[dict, torch.Tensor | None]:
+    """The options a loaded drafter was built with (a long run may have changed some, e.g.
+    lsa_layer_stride), with its reduced draft vocabulary's size, and that vocabulary (or None):
+    what a trainer needs to rebuild it."""
+    options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
+    vocab = loaded.draft_vocab
+    if vocab is not None:
+        options["draft_vocab_size"] = int(vocab.numel())
+    return options, vocab
+
+
 def _held_out_evaluation(drafter_dir: Path, name: str, target, held: list[DraftExample], recipe: SmolRecipe,
                          by_sequence: bool):
     import tempfile
@@ -108,11 +119,7 @@ def _held_out_evaluation(drafter_dir: Path, name: str, target, held: list[DraftE
 
     loaded = load_drafter(drafter_dir, target)
     kind, tli, _ = DRAFTERS[name]
-    # the drafter's own options (a long run may have changed some, e.g. lsa_layer_stride)
-    options = {key: getattr(loaded.config, key) for key in type(loaded.config).OPTIONS if key != "tli"}
-    vocab = loaded.draft_vocab
-    if vocab is not None:
-        options = {**options, "draft_vocab_size": int(vocab.numel())}
+    options, vocab = drafter_options(loaded)
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=1, batch_size=8,
                              max_length=recipe.max_length, eval_depth=recipe.eval_depth, output_dir=out,
