@@ -9,10 +9,11 @@
 #        switch to a branch without them for the two calls (git rm -r benchmarks/results
 #        vllm_moa/assets; commit; git checkout main afterwards), so that tree + carry fit.
 #   2. device call 1, carry [".gpu/whl", ".gpu/a", ".gpu/shipped/eagle", ".gpu/setup.sh"]:
-#        benchmarks/accelerator_smollm2.sh receive      # + the Triton kernel tests on the GPU
+#        [KERNEL_TESTS=1] benchmarks/accelerator_smollm2.sh receive   # + the Triton kernel tests on the GPU
 #   3. device call 2 (within the machine's idle window), carry [".gpu/b", ".gpu/shipped/moa-tli0",
 #      ".gpu/setup.sh"]:
 #        SECONDS_BUDGET=540 CODE_COMMIT=<main's commit> [NAMES="moa-tli0 moa-tli1 eagle"] \
+#            [EXTRA_ARGS="--responses <earlier data> --share-seconds 372 --probe-batches 64 128 256 --generate-after"] \
 #            benchmarks/accelerator_smollm2.sh run
 #      $OUT then holds the new token-id dataset, both drafters (fp16) and report.json; ship with
 #        python -m vllm_moa.recipes.smollm2_accelerator --ship <that folder>
@@ -47,7 +48,9 @@ receive)
     source .gpu/setup.sh
     mkdir -p "$STAGE/shipped" && cp .gpu/a "$STAGE/a" && cp -r .gpu/shipped/eagle "$STAGE/shipped/"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels 2>&1 | tee "${OUT:-/tmp}/kernels_gpu.log" | tail -3
+    if [ -n "${KERNEL_TESTS:-}" ]; then  # each Triton kernel against its PyTorch twin, on the GPU
+        timeout 100 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels 2>&1 | tee "${OUT:-/tmp}/kernels_gpu.log" | tail -3
+    fi
     ;;
 run)
     source .gpu/setup.sh
@@ -58,6 +61,7 @@ run)
     python3 -m vllm_moa.recipes.smollm2_accelerator --gguf "$STAGE/smollm2.gguf" --shipped "$STAGE/shipped" \
         --work "$STAGE/work" --out "${OUT:-$STAGE/out}" --seconds "${SECONDS_BUDGET:-540}" \
         --code-commit "${CODE_COMMIT:-unknown}" --batch-generate 2048 --magpie-requests 65536 ${NAMES:+--names $NAMES} \
+        ${EXTRA_ARGS:-} \
         2>&1 | grep --line-buffered -v "it/s\]" | tee "$LOG_DIR/job.log"
     ;;
 *)

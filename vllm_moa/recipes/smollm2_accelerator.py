@@ -52,11 +52,12 @@ from vllm_moa.recipes.smollm2_long import (
     run_tokens,
     save_dataset,
 )
-from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
 
 # each drafter's last long run on CPU (cards); MoA TLI=1 has none: MoA TLI=0's
 KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}
 DATASET_NAME = "smollm2_accelerator_responses.json.gz"
+LATER_NAME = "smollm2_accelerator_generated.json.gz"  # generated, not trained on
 REPORT_NAME = "report.json"
 
 
@@ -178,14 +179,14 @@ def build_responses(work: Path, hf_model, prompts: list[list[int]], eos: int, ma
 
 
 # -- 4. drafters ------------------------------------------------------------------------------
-def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,
-                  seconds: float, batch: int, lr: float, max_length: int, work: Path, out: Path) -> dict:
-    """Train `name` for `seconds` (warm-started from `shipped` where it holds that drafter, else
-    from scratch: the recipe's shape, MoA's LSA over every 3rd layer, the staircase curriculum over
-    the first 5% of the schedule), then write it in fp16 to out/name."""
+def _trainer(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path, batch: int,
+             lr: float, max_length: int, output_dir: Path):
+    """A trainer for `name`, warm-started from `shipped` where it holds that drafter, else from
+    scratch (the recipe's shape, MoA's LSA over every 3rd layer, the staircase curriculum over the
+    first 5% of the schedule). -> (trainer, warm)"""
     from vllm_moa.models import load_drafter
     from vllm_moa.recipes.smollm2 import draft_vocabulary
-    from vllm_moa.training.trainer import TrainConfig, Trainer, uses_bf16
+    from vllm_moa.training.trainer import TrainConfig, Trainer
 
     kind, tli, options = DRAFTERS[name]
     warm = (shipped / name / "model.safetensors").is_file()
@@ -199,11 +200,57 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
                    **({"lsa_layer_stride": 3} if kind == "moa" else {})}
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=10**6, batch_size=batch, lr=lr,
                          min_lr_ratio=0.05, kl_weight=KL_WEIGHTS[name], warmup_steps=30, max_length=max_length,
-                         eval_depth=SmolRecipe.eval_depth, output_dir=str(work / name),
+                         eval_depth=SmolRecipe.eval_depth, output_dir=str(output_dir),
                          staircase_until=0.0 if warm else 0.05, precision="auto", seed=0, progress=False)
     trainer = Trainer(config, target, train, held, draft_vocab=vocab.cpu() if vocab is not None else None)
     if warm:
         trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    return trainer, warm
+
+
+def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, batches: list[int], lr: float,
+                max_length: int, work: Path, steps: int = 12, gain: float = 1.3) -> tuple[int, list[dict]]:
+    """Time `steps` training steps of `name` at each batch size (a throwaway trainer each; the
+    first 4 steps untimed) and pick one: a bigger batch only where it trains on at least `gain`
+    times the target tokens per second of the one picked before it (on an accelerator a small
+    drafter's step is mostly launch overhead, so a bigger batch can come almost free). A batch
+    that does not fit in memory ends the probe. -> (batch, rows)"""
+    rows, chosen, best = [], batches[0], 0.0
+    for batch in sorted(batches):
+        try:
+            trainer, _ = _trainer(name, target, train, [], shipped, batch, lr, max_length, work / f"probe-{name}")
+            tokens, started = 0, 0.0
+            for step in range(steps):
+                if step == 4:
+                    started = time.time()
+                if step >= 4:
+                    indices = global_batch_indices(len(train), batch, step, trainer.config.seed)
+                    tokens += sum(min(len(train[i].input_ids), max_length) for i in indices)
+                trainer.train_step()  # ends in .item(): the device is done with the step
+            elapsed = time.time() - started
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"batch": batch, "error": "out of memory"})
+            break
+        finally:
+            trainer = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        rate = tokens / elapsed
+        rows.append({"batch": batch, "target_tokens_per_s": round(rate), "seconds_per_step": round(elapsed / (steps - 4), 4)})
+        _log(f"probe {name} batch {batch}: {rate:,.0f} target tokens/s, {elapsed / (steps - 4):.3f} s/step")
+        if best == 0.0 or rate >= gain * best:
+            chosen, best = batch, rate
+    return chosen, rows
+
+
+def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,
+                  seconds: float, batch: int, lr: float, max_length: int, work: Path, out: Path) -> dict:
+    """Train `name` (see `_trainer`) for `seconds`, then write it in fp16 to out/name."""
+    from vllm_moa.training.trainer import uses_bf16
+
+    trainer, warm = _trainer(name, target, train, held, shipped, batch, lr, max_length, work / name)
+    config = trainer.config
+    kind, tli = config.drafter, config.tli
     started = time.time()
     deadline, mark, log = started + seconds, None, []
     while time.time() < deadline and trainer.step < config.steps:
@@ -231,6 +278,21 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
 
 
 # -- the job ----------------------------------------------------------------------------------
+def generate_data(args: argparse.Namespace, work: Path, target, tokenizer, held: list[DraftExample], report: dict,
+                  report_path: Path, start: float, prompt_seconds: float, response_seconds: float) -> list[DraftExample]:
+    """Stages 2 and 3: new training sequences (prompts and the target's answers) within the times given."""
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
+                            prompt_seconds, held, args.seed, report)
+    save_json(report_path, report)
+    _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
+    new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
+                          args.batch_generate, response_seconds, args.seed + 1, report)
+    save_json(report_path, report)
+    _log(f"{len(new)} responses after {time.time() - start:.0f} s")
+    return new
+
+
 def run_job(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -256,37 +318,54 @@ def run_job(args: argparse.Namespace) -> dict:
         raise ValueError(f"{folder}: the tokenizer's EOS is {tokenizer.eos_token_id}, the model's {eos}: convert the "
                          f"target again (remove {folder}, or run vllm-moa fetch smollm2 --force without --gguf)")
     _log(f"target on {report['device']} after {time.time() - start:.0f} s")
-    prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
-                            args.prompt_seconds, held, args.seed, report)
-    save_json(report_path, report)
-    _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
-    new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
-                          args.batch_generate, args.response_seconds, args.seed + 1, report)
-    save_json(report_path, report)
+    if args.responses is None:
+        new = generate_data(args, work, target, tokenizer, held, report, report_path, start,
+                            args.prompt_seconds, args.response_seconds)
+    else:  # an earlier run's data: the same data as that run's drafters
+        new, _ = load_dataset(args.responses)
+        report["responses"] = {"from": str(args.responses), "train_sequences": len(new),
+                               "train_response_tokens": sum(len(e.input_ids) - e.prompt_length for e in new)}
     report["dataset_bytes"] = save_dataset(new, held, out / DATASET_NAME)
-    if len(new) < args.min_new_sequences:  # the drafters still train (on the committed data too): said loudly
+    if args.responses is None and len(new) < args.min_new_sequences:  # the drafters still train: said loudly
         report.setdefault("warnings", []).append(f"only {len(new)} new sequences (expected >= {args.min_new_sequences})")
         _log(f"WARNING: {report['warnings'][-1]}")
-    _log(f"{len(new)} responses after {time.time() - start:.0f} s")
+    _log(f"{len(new)} new training sequences after {time.time() - start:.0f} s")
     train = old_train + new
     names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
     report.setdefault("drafters", {})
-    # equal shares, fixed now: each drafter's evaluation and writing come out of the reserve, not
-    # out of the next drafter's share
+    batches = {}
+    for name in names:  # each drafter's batch: the probe's pick, or --batch
+        if args.probe_batches and name not in report.get("batch_probe", {}):
+            chosen, rows = probe_batch(name, target, train, args.shipped, args.probe_batches, args.lr,
+                                       args.max_length, work)
+            report.setdefault("batch_probe", {})[name] = {"rows": rows, "chosen": chosen}
+            save_json(report_path, report)
+        batches[name] = report.get("batch_probe", {}).get(name, {}).get("chosen", args.batch)
+    # equal shares, fixed now (at most --share-seconds each, e.g. an earlier run's for a fair
+    # comparison): each drafter's evaluation and writing come out of the reserve, not out of the
+    # next drafter's share
     share = (args.seconds - (time.time() - start) - args.reserve_seconds) / max(1, len(names))
+    share = min(share, args.share_seconds) if args.share_seconds else share
     for name in names:
-        _log(f"training {name} for {share:.0f} s")
+        _log(f"training {name} for {share:.0f} s at batch {batches[name]}")
         if share < 30:  # the data stages overran: no drafter rather than an untrained one
             report["drafters"][name] = {"error": f"no time left to train ({share:.0f} s)"}
             continue
         try:
             report["drafters"][name] = train_drafter(name, target, train, held, args.shipped, share,
-                                                     args.batch, args.lr, args.max_length, work, out)
+                                                     batches[name], args.lr, args.max_length, work, out)
         except Exception as err:  # the other drafter and the dataset still come back
             report["drafters"][name] = {"error": f"{type(err).__name__}: {err}"}
             _log(f"{name} failed: {err!r}")
         save_json(report_path, report)
         save_json(out / REPORT_NAME, report)
+    left = args.seconds - (time.time() - start) - 10
+    if args.responses is not None and args.generate_after and left > 30:
+        # the time the drafters left: new data for later runs (not trained on here)
+        later: dict = {}
+        generated = generate_data(args, work / "later", target, tokenizer, held, later, work / "later" / REPORT_NAME, start,
+                                  0.35 * left, 0.65 * left)
+        report["generated_for_later"] = {**later, "dataset_bytes": save_dataset(generated, held, out / LATER_NAME)}
     report["wall_time_s"] = round(time.time() - start, 1)
     save_json(report_path, report)
     save_json(out / REPORT_NAME, report)
@@ -369,6 +448,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=540, help="the whole job's wall-clock budget")
     parser.add_argument("--reserve-seconds", type=float, default=40,
                         help="kept for the drafters' evaluations and writing (all of them together)")
+    parser.add_argument("--responses", type=Path, default=None,
+                        help="train on this token-id dataset's training sequences (an earlier run's) instead of generating")
+    parser.add_argument("--share-seconds", type=float, default=None, help="the most each drafter trains")
+    parser.add_argument("--probe-batches", type=int, nargs="*", default=[],
+                        help="time each batch size first and train at the probe's pick (see probe_batch)")
+    parser.add_argument("--generate-after", action="store_true",
+                        help="with --responses: generate new data in the time the drafters leave (for later runs)")
     parser.add_argument("--prompt-seconds", type=float, default=45)
     parser.add_argument("--response-seconds", type=float, default=150)
     parser.add_argument("--magpie-requests", type=int, default=32768)
