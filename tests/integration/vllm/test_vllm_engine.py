@@ -407,3 +407,22 @@ def test_training_data_regenerated_by_vllm_equals_transformers_greedy():
                                      eos_token_id=eos, progress=False)
     assert [e.input_ids for e in greedy] == [e.input_ids for e in reference]
     assert [e.input_ids for e in sampled] != [e.input_ids for e in greedy]
+
+
+@pytest.mark.parametrize("retrieval", [None, ()], ids=["moa", "moa+lookup"])
+def test_k_by_batch_size_drafts_only_where_the_schedule_says_and_keeps_greedy_output(retrieval):
+    """vLLM's num_speculative_tokens_per_batch_size with "moa" chains: K = 3 for one running
+    request, none for more. All 16 prompts at once: (almost) no drafts; one at a time: every step
+    drafts 3. Either way the output stays plain vLLM's (steps without drafts still keep the
+    drafter's rows and SA cache in step, which the drafted steps after them rely on)."""
+    config = {**moa(3, retrieval=retrieval), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 256, 0]]}
+    run = run_engine(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
+                               passes=[0, 1], engine=ENGINE), timeout=900, env=ENGINE_ENV)
+    plain = engine().passes[0].outputs
+    for pass_ in run.passes:
+        for i, (got, want) in enumerate(zip(pass_.outputs, plain, strict=True)):
+            assert got == want, f"concurrency {pass_.concurrency}, prompt {i}: differs from plain vLLM"
+    batched, alone = run.passes
+    assert alone.spec_decode.drafts > 0 and alone.spec_decode.draft_tokens == 3 * alone.spec_decode.drafts
+    reference = engine("moa", 3).spec_decode.drafts  # K = 3 at every step, all at once
+    assert batched.spec_decode.drafts < reference / 4, (batched.spec_decode.drafts, reference)
