@@ -24,6 +24,10 @@ that a rerun after an interruption resumes at the stage it was in:
     layout of recipes/data), each drafter in fp16 and report.json (counts, timings, device,
     held-out agreement in the device's precision).
 
+--responses DATA trains on an earlier run's token-id dataset instead of generating; --share-seconds
+caps each drafter's share (fair comparisons); --probe-batches 64 128 256 trains at the probe's
+pick; --generate-after spends what the drafters leave on new data for later runs.
+
     python -m vllm_moa.recipes.smollm2_accelerator --ship OUT [--names moa-tli0 eagle]
 
 ships what such a run returned, here: held-out agreement measured in fp32 before and after (the
@@ -208,23 +212,35 @@ def _trainer(name: str, target, train: list[DraftExample], held: list[DraftExamp
     return trainer, warm
 
 
+def pick_batch(rates: list[tuple[int, float]], gain: float = 1.3) -> int:
+    """The batch to train at, from (batch, target tokens/s) in increasing batch order: a bigger
+    batch only where it trains on at least `gain` times the tokens/s of the one picked before it."""
+    chosen, best = rates[0]
+    for batch, rate in rates[1:]:
+        if rate >= gain * best:
+            chosen, best = batch, rate
+    return chosen
+
+
 def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, batches: list[int], lr: float,
                 max_length: int, work: Path, steps: int = 12, gain: float = 1.3) -> tuple[int, list[dict]]:
-    """Time `steps` training steps of `name` at each batch size (a throwaway trainer each; the
-    first 4 steps untimed) and pick one: a bigger batch only where it trains on at least `gain`
-    times the target tokens per second of the one picked before it (on an accelerator a small
-    drafter's step is mostly launch overhead, so a bigger batch can come almost free). A batch
-    that does not fit in memory ends the probe. -> (batch, rows)"""
-    rows, chosen, best = [], batches[0], 0.0
-    for batch in sorted(batches):
+    """Time `steps` training steps of `name` at each batch size (a throwaway trainer each, after
+    `steps` untimed ones at the smallest batch: the device's first steps are slow; then the
+    first 4 of each untimed) and pick one (`pick_batch`: on an accelerator a small drafter's
+    step is mostly launch overhead, so a bigger batch can come almost free). A batch that does
+    not fit in memory ends the probe. -> (batch, rows)"""
+    rows, rates = [], []
+    batches = sorted(batches)
+    for batch in [None, *batches]:  # None: the warm-up
         try:
-            trainer, _ = _trainer(name, target, train, [], shipped, batch, lr, max_length, work / f"probe-{name}")
+            size = batches[0] if batch is None else batch
+            trainer, _ = _trainer(name, target, train, [], shipped, size, lr, max_length, work / f"probe-{name}")
             tokens, started = 0, 0.0
             for step in range(steps):
                 if step == 4:
                     started = time.time()
                 if step >= 4:
-                    indices = global_batch_indices(len(train), batch, step, trainer.config.seed)
+                    indices = global_batch_indices(len(train), size, step, trainer.config.seed)
                     tokens += sum(min(len(train[i].input_ids), max_length) for i in indices)
                 trainer.train_step()  # ends in .item(): the device is done with the step
             elapsed = time.time() - started
@@ -235,12 +251,13 @@ def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, bat
             trainer = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        rate = tokens / elapsed
-        rows.append({"batch": batch, "target_tokens_per_s": round(rate), "seconds_per_step": round(elapsed / (steps - 4), 4)})
-        _log(f"probe {name} batch {batch}: {rate:,.0f} target tokens/s, {elapsed / (steps - 4):.3f} s/step")
-        if best == 0.0 or rate >= gain * best:
-            chosen, best = batch, rate
-    return chosen, rows
+        if batch is None:
+            continue
+        rates.append((batch, tokens / elapsed))
+        rows.append({"batch": batch, "target_tokens_per_s": round(tokens / elapsed),
+                     "seconds_per_step": round(elapsed / (steps - 4), 4)})
+        _log(f"probe {name} batch {batch}: {tokens / elapsed:,.0f} target tokens/s, {elapsed / (steps - 4):.3f} s/step")
+    return (pick_batch(rates, gain) if rates else batches[0]), rows
 
 
 def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,

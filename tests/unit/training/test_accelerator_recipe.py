@@ -26,3 +26,13 @@ def test_deadline_leaves_unreached_prompts_out():
     model = make_hf_target(seed=3).eval()
     prompts = [[7, 8, 9]] * 4
     assert generate_batched(model, prompts, 4, 0.0, seed=0, eos_token_id=5, batch_size=2, deadline=0.0) == [None] * 4
+
+
+def test_batch_probe_moves_to_a_bigger_batch_only_for_enough_more_tokens_per_second():
+    from vllm_moa.recipes.smollm2_accelerator import pick_batch
+
+    # the second H200 run's probe (64 included its warm-up): 128 and then 256 pay
+    assert pick_batch([(64, 14_894.0), (128, 69_859.0), (256, 106_480.0)]) == 256
+    assert pick_batch([(64, 50_000.0), (128, 60_000.0), (256, 62_000.0)]) == 64  # 1.2x, 1.24x: not enough
+    assert pick_batch([(64, 50_000.0), (128, 60_000.0), (256, 80_000.0)]) == 256  # 1.6x over 64
+    assert pick_batch([(8, 1.0)]) == 8
