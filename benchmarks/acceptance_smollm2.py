@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "acceptance_smollm2.json")
     args = parser.parse_args()
 
+    origin = provenance(torch_threads=torch.get_num_threads())  # at the start: the code that runs
     folder = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     target = TargetModel.from_pretrained(folder)
@@ -95,7 +96,7 @@ def main() -> None:
                                                         for n in args.sets) / len(args.sets), 3)
                                 for d in drafters if d.startswith("moa") and "eagle" in drafters},
         "rows": rows, "wall_time_s": round(time.time() - started, 1),
-        "provenance": provenance(torch_threads=torch.get_num_threads()),
+        "provenance": origin,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
