@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe  # noqa: E402
 from vllm_moa.recipes.smollm2_long import SHIPPED, heldout_agreement_by_sequence, load_dataset  # noqa: E402
+from vllm_moa.training.losses import agreement_of_sequences  # noqa: E402
 
 SPLITS = {  # (train, held-out) -> 96 sequences
     "heldout": lambda train, held: held,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             per_sequence = heldout_agreement_by_sequence(directory, args.recipe, target, SPLITS[split](train, held),
                                                          recipe)
             rows.append({"label": label, "split": split, **describe(directory),
-                         "heldout_agreement_by_depth": agreement(per_sequence), "per_sequence": per_sequence})
+                         "heldout_agreement_by_depth": agreement_of_sequences(per_sequence), "per_sequence": per_sequence})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_sequence"}))
     intervals = bootstrap(rows, args.bootstrap) if args.bootstrap else {}
     for row in rows:
@@ -115,13 +116,6 @@ def main(argv: list[str] | None = None) -> dict:
     figure.tight_layout()
     figure.savefig(args.out.with_suffix(".png"), dpi=120)
     return result
-
-
-def agreement(per_sequence: list[tuple[list[float], list[float]]]) -> list[float | None]:
-    """Agreement by depth from per-sequence (hits, counts), rounded as the trainer rounds it."""
-    hits = np.sum([h for h, _ in per_sequence], axis=0)
-    counts = np.sum([c for _, c in per_sequence], axis=0)
-    return [round(float(h / c), 4) if c > 0 else None for h, c in zip(hits, counts)]
 
 
 def chain_estimate(hits: np.ndarray, counts: np.ndarray, k: int = 3) -> np.ndarray:

@@ -56,7 +56,7 @@ from vllm_moa.recipes.smollm2_long import (
     run_tokens,
     save_dataset,
 )
-from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
+from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 # each drafter's last long run on CPU (cards); MoA TLI=1 has none: MoA TLI=0's
 KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}
@@ -235,15 +235,14 @@ def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, bat
         try:
             size = batches[0] if batch is None else batch
             trainer, _ = _trainer(name, target, train, [], shipped, size, lr, max_length, work / f"probe-{name}")
-            tokens, started = 0, 0.0
+            started = 0.0
             for step in range(steps):
                 if step == 4:
                     started = time.time()
-                if step >= 4:
-                    indices = global_batch_indices(len(train), size, step, trainer.config.seed)
-                    tokens += sum(min(len(train[i].input_ids), max_length) for i in indices)
                 trainer.train_step()  # ends in .item(): the device is done with the step
             elapsed = time.time() - started
+            dump = trainer.config.model_dump(mode="json")
+            tokens = run_tokens(train, dump, steps) - run_tokens(train, dump, 4)
         except torch.cuda.OutOfMemoryError:
             rows.append({"batch": batch, "error": "out of memory"})
             break

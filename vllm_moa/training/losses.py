@@ -7,6 +7,7 @@ drafter, so their gradients are equal; KL is reported because it is 0 at a perfe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +64,13 @@ def agreement_by_depth(draft_tokens: Tensor, target_tokens: Tensor, depth: Tenso
         hits[k] = (same & sel).sum()
         counts[k] = sel.sum()
     return hits, counts
+
+
+def agreement_of_sequences(per_sequence: Sequence[tuple[Sequence[float], Sequence[float]]]) -> list[float | None]:
+    """Agreement by depth from per-sequence (hits, counts) (Trainer.evaluate_by_sequence), rounded
+    to 4 places; [] for no sequences."""
+    if not per_sequence:
+        return []
+    hits = torch.tensor([h for h, _ in per_sequence]).sum(0)
+    counts = torch.tensor([c for _, c in per_sequence]).sum(0)
+    return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]

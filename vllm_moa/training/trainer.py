@@ -47,7 +47,7 @@ from vllm_moa.training.data import (
     validate_examples,
 )
 from vllm_moa.training.features import FeatureCache
-from vllm_moa.training.losses import agreement_by_depth, drafter_loss
+from vllm_moa.training.losses import agreement_by_depth, agreement_of_sequences, drafter_loss
 
 
 class CheckpointError(RuntimeError):
@@ -289,12 +289,7 @@ class Trainer:
     def evaluate(self, examples: Sequence[DraftExample] | None = None, batch_size: int = 8) -> list[float | None]:
         """Top-1 agreement with the target at draft depths 0..eval_depth (causal SA, exact
         EAGLE feature autoregression)."""
-        per_sequence = self.evaluate_by_sequence(examples, batch_size)
-        if not per_sequence:
-            return []
-        hits = torch.tensor([h for h, _ in per_sequence]).sum(0)
-        counts = torch.tensor([c for _, c in per_sequence]).sum(0)
-        return [round((h / c).item(), 4) if c > 0 else None for h, c in zip(hits, counts)]
+        return agreement_of_sequences(self.evaluate_by_sequence(examples, batch_size))
 
     @torch.no_grad()
     def evaluate_by_sequence(self, examples: Sequence[DraftExample] | None = None,

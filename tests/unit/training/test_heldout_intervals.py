@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.heldout_agreement_smollm2 import agreement, bootstrap, chain_estimate
+from benchmarks.heldout_agreement_smollm2 import bootstrap, chain_estimate
+from vllm_moa.training.losses import agreement_of_sequences as agreement
 
 
 def _sequences(rate: float, n: int = 60, seed: int = 0) -> list[tuple[list[float], list[float]]]:
