@@ -12,6 +12,7 @@ from typing import Any
 from vllm_moa.config import DrafterConfigError, read_drafter_config
 from vllm_moa.integration import compat
 from vllm_moa.integration.signature import signature_from_hf_config
+from vllm_moa.integration.tensor_parallel import tensor_parallel_refusal
 from vllm_moa.kinds.moa import MoAConfig
 
 # The drafter keeps no position table (RoPE), so its own length limit never binds; vLLM takes
@@ -93,15 +94,8 @@ def check_moa_drafter(
     actual = signature_from_hf_config(target_hf_config, target_path)
     config.target_signature.check_compatible(actual, strict_fingerprint=strict_fingerprint)
 
-    for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size),
-                        ("draft_tensor_parallel_size", draft_tensor_parallel_size or 1)):
-        if value != 1:
-            raise UnsupportedMoASetup(
-                f"{name}={value}: MoA's layer self-attention reads every KV head of every target layer, "
-                "which a tensor- or pipeline-parallel rank does not hold; the plugin runs on one GPU per "
-                "engine (use data parallelism to scale out)"
-            )
+    check_parallel_setup(config, target_hf_config, tensor_parallel_size, pipeline_parallel_size,
+                         draft_tensor_parallel_size)
     window = getattr(target_hf_config, "sliding_window", None)
     if getattr(target_hf_config, "use_sliding_window", True) and window and \
             window < getattr(target_hf_config, "max_position_embeddings", 0):
@@ -110,6 +104,30 @@ def check_moa_drafter(
             "verified token's KV in every layer"
         )
     return config
+
+
+def check_parallel_setup(config: MoAConfig, target_hf_config: Any, tensor_parallel_size: int,
+                         pipeline_parallel_size: int, draft_tensor_parallel_size: int | None) -> None:
+    """Tensor parallelism: the drafter is sharded like the target (docs/sharded-targets.md), so
+    its heads must split the same way. Pipeline parallelism: refused (the reason below)."""
+    if pipeline_parallel_size != 1:
+        raise UnsupportedMoASetup(
+            f"pipeline_parallel_size={pipeline_parallel_size}: vLLM drafts on the last pipeline stage, which "
+            "holds only its own layers' KV cache, and MoA's layer self-attention reads every layer's; "
+            "use tensor parallelism (docs/sharded-targets.md)")
+    if draft_tensor_parallel_size not in (None, tensor_parallel_size):
+        raise UnsupportedMoASetup(
+            f"draft_tensor_parallel_size={draft_tensor_parallel_size}: the MoA drafter is sharded like the "
+            f"target (its attention heads split by tensor_parallel_size={tensor_parallel_size}); leave "
+            "draft_tensor_parallel_size unset or equal to tensor_parallel_size")
+    if tensor_parallel_size == 1:
+        return
+    target_kv = getattr(target_hf_config, "num_key_value_heads", None) or target_hf_config.num_attention_heads
+    reason = tensor_parallel_refusal(
+        tensor_parallel_size, sa_heads=config.sa_num_heads, sa_kv_heads=config.sa_num_kv_heads,
+        ca_heads=config.ca_num_heads, ca_kv_heads=config.ca_num_kv_heads, target_kv_heads=target_kv)
+    if reason is not None:
+        raise UnsupportedMoASetup(f"tensor_parallel_size={tensor_parallel_size}: {reason}")
 
 
 def check_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> None:

@@ -39,6 +39,7 @@ from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -47,8 +48,9 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
 from vllm_moa.config import DrafterConfigError
+from vllm_moa.integration import tensor_parallel
 from vllm_moa.kernels import lsa_attention
-from vllm_moa.kernels.paged import gather_slots, split_kv_cache
+from vllm_moa.kernels.paged import gather_layer_rows, gather_slots, split_kv_cache
 from vllm_moa.kernels.paged import slot_mapping as paged_slots
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.kinds.moa.model import LayerSelfAttention
@@ -74,6 +76,15 @@ _RENAMED = {
 }
 
 
+def _stacked_rows_loader(rows: int) -> Callable[[Tensor, Tensor, int], None]:
+    """A weight loader for a replicated stacked projection: shard i fills rows i*rows ... (i+1)*rows."""
+
+    def load(param: Tensor, tensor: Tensor, shard: int) -> None:
+        param.data[shard * rows: (shard + 1) * rows].copy_(tensor)
+
+    return load
+
+
 def _rope(head_dim: int, theta: float, max_positions: int) -> nn.Module:
     return get_rope(head_dim, max_position=max_positions, is_neox_style=True,
                     rope_parameters={"rope_type": "default", "rope_theta": theta})
@@ -81,13 +92,20 @@ def _rope(head_dim: int, theta: float, max_positions: int) -> nn.Module:
 
 class MoAMLP(nn.Module):
     """SwiGLU. The activation is written out (vLLM's SiluAndMul needs its compiled ops even to
-    be constructed on CPU); vLLM's compilation of the drafter fuses it on GPU."""
+    be constructed on CPU); vLLM's compilation of the drafter fuses it on GPU. Under tensor
+    parallelism it is split like the target's MLPs when the ranks divide its width, else
+    replicated on every rank (no collective; e.g. width 1,024 at tensor_parallel_size 3)."""
 
     def __init__(self, width: int, intermediate: int, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(width, [intermediate] * 2, bias=False,
-                                                       prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
+        if intermediate % tensor_parallel.tp_size() == 0:
+            self.gate_up_proj = MergedColumnParallelLinear(width, [intermediate] * 2, bias=False,
+                                                           prefix=f"{prefix}.gate_up_proj")
+            self.down_proj = RowParallelLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
+            return
+        self.gate_up_proj = ReplicatedLinear(width, 2 * intermediate, bias=False, prefix=f"{prefix}.gate_up_proj")
+        self.gate_up_proj.weight.weight_loader = _stacked_rows_loader(intermediate)  # gate (0) then up (1)
+        self.down_proj = ReplicatedLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up, _ = self.gate_up_proj(x)  # [T, 2I]
@@ -103,12 +121,15 @@ class MoASelfAttention(nn.Module):
         super().__init__()
         width = config.target_signature.hidden_size
         heads, kv_heads, d = config.sa_num_heads, config.sa_num_kv_heads, config.sa_head_dim
-        self.q_size, self.kv_size = heads * d, kv_heads * d
+        tp = tensor_parallel.tp_size()  # heads of this rank (QKVParallelLinear's split)
+        self.num_heads = tensor_parallel.local_heads(heads, tp, "the drafter's SA")
+        self.num_kv_heads, self.head_dim = tensor_parallel.local_kv_heads(kv_heads, tp), d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.input_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.qkv_proj = QKVParallelLinear(width, d, heads, kv_heads, bias=False, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
         self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
-        self.attn = attention(heads, d, d ** -0.5, num_kv_heads=kv_heads,
+        self.attn = attention(self.num_heads, d, d ** -0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.mlp = MoAMLP(width, config.sa_intermediate_size, f"{prefix}.mlp")
@@ -131,14 +152,17 @@ class MoACrossAttention(nn.Module):
         super().__init__()
         width = config.target_signature.hidden_size
         heads, kv_heads, d = config.ca_num_heads, config.ca_num_kv_heads, config.ca_head_dim
-        self.num_kv_heads, self.head_dim, self.kv_size = kv_heads, d, kv_heads * d
+        tp = tensor_parallel.tp_size()  # heads of this rank (the column-parallel projections' split)
+        self.num_heads = tensor_parallel.local_heads(heads, tp, "the drafter's CA")
+        self.num_kv_heads = tensor_parallel.local_heads(kv_heads, tp, "the drafter's CA KV")
+        self.head_dim, self.kv_size = d, self.num_kv_heads * d
         self.query_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.row_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.q_proj = ColumnParallelLinear(width, heads * d, bias=False, prefix=f"{prefix}.q_proj")
         self.kv_proj = MergedColumnParallelLinear(width, [kv_heads * d] * 2, bias=False, prefix=f"{prefix}.kv_proj")
         self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
         self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
-        self.attn = attention(heads, d, d ** -0.5, num_kv_heads=kv_heads,
+        self.attn = attention(self.num_heads, d, d ** -0.5, num_kv_heads=self.num_kv_heads,
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.mlp = MoAMLP(width, config.ca_intermediate_size, f"{prefix}.mlp")
@@ -228,6 +252,8 @@ class MoADraftModel(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
+        self._draft_vocab_rows: Tensor | None = None  # [N, E] under tensor parallelism (compute_logits)
+        self.tap_traffic = tensor_parallel.TapTraffic()  # the tap's all-gathers (tensor parallelism)
 
     # -- the draft loop ---------------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
@@ -242,7 +268,12 @@ class MoADraftModel(nn.Module):
         are multiplied and every other token gets -inf (never drafted)."""
         if self.draft_vocab is None:
             return self.logits_processor(self.lm_head, hidden_states)
-        rows = self.lm_head.weight.index_select(0, self.draft_vocab)  # [N, E]
+        if tensor_parallel.tp_size() == 1:
+            rows = self.lm_head.weight.index_select(0, self.draft_vocab)  # [N, E]
+        else:  # vLLM shards the head by vocabulary: assembled once (a collective), then kept
+            if self._draft_vocab_rows is None:
+                self._draft_vocab_rows = tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)
+            rows = self._draft_vocab_rows
         logits = torch.nn.functional.linear(hidden_states, rows)  # [M, N]
         full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
@@ -279,7 +310,7 @@ class MoADraftModel(nn.Module):
         qkv, _ = sa.qkv_proj(sa.input_norm(hidden))
         q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
         q, k = sa.rotary_emb(positions, q, k)
-        heads, kv_heads, d = self.config.sa_num_heads, self.config.sa_num_kv_heads, self.config.sa_head_dim
+        heads, kv_heads, d = sa.num_heads, sa.num_kv_heads, sa.head_dim  # this rank's
         q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
         attended = torch.empty_like(q)  # [T, H, d]
         for b, rows, visible in levels:
@@ -297,7 +328,7 @@ class MoADraftModel(nn.Module):
         hidden = hidden + sa.mlp(sa.post_norm(hidden))
         cq, _ = ca.q_proj(ca.query_norm(hidden))
         cq, _ = ca.rotary_emb(positions, cq, None)
-        cq = cq.view(-1, self.config.ca_num_heads, self.config.ca_head_dim)
+        cq = cq.view(-1, ca.num_heads, ca.head_dim)
         crossed = torch.empty_like(cq)
         for b, rows, _ in levels:
             row_k, row_v = context.ca[b]
@@ -321,7 +352,20 @@ class MoADraftModel(nn.Module):
         final_hidden [M, E]: the tokens' final post-norm target hidden states (the target's output
                           this step; read with config final_hidden_rows)
         """
-        rows = lsa_attention(self.lsa, self.lsa.select(target_kv_caches), read_slots, layout=layout)  # [M, E]
+        caches = self.lsa.select(target_kv_caches)
+        if tensor_parallel.tp_size() == 1:
+            rows = lsa_attention(self.lsa, caches, read_slots, layout=layout)  # [M, E]
+        else:  # this rank holds some KV heads: gather the verified tokens' rows, LSA replicated
+            step_tokens = read_slots.shape[0]
+            keep = (write_slots >= 0).nonzero().squeeze(1)  # [A] (same on every rank)
+            if keep.numel() == 0:
+                return
+            read_slots, row_positions, write_slots = read_slots[keep], row_positions[keep], write_slots[keep]
+            final_hidden = None if final_hidden is None else final_hidden[keep]
+            local = gather_layer_rows(caches, read_slots, layout)  # [A, L, H_local * 2d]
+            full = tensor_parallel.gather_full_rows(local, self.config.target_signature.num_kv_heads,
+                                                    self.tap_traffic, step_tokens)  # [A, L, H_kv * 2d]
+            rows = self.lsa(full)
         rows = self.lsa.add_final_hidden(rows, final_hidden)
         k, v = self.model.ca.row_keys_values(rows, row_positions)
         attn = self.model.ca.attn

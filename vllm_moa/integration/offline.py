@@ -55,9 +55,13 @@ class EngineRun(BaseModel):
     # Later passes over the same prompts hit the prefix cache.
     passes: list[int] = Field(default_factory=lambda: [0], min_length=1)
     # EngineArgs keywords (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-    # num_gpu_blocks_override, enable_prefix_caching, ...); enforce_eager and
-    # disable_log_stats=False are set unless given.
+    # num_gpu_blocks_override, enable_prefix_caching, tensor_parallel_size, ...); enforce_eager
+    # and disable_log_stats=False are set unless given.
     engine: dict[str, Any] = Field(default_factory=dict)
+    # read each worker's MoA tap traffic after the passes (tensor parallelism; vLLM's
+    # collective_rpc with a function, which vLLM allows with VLLM_ALLOW_INSECURE_SERIALIZATION=1:
+    # run_engine sets it in the child for such runs)
+    tap_traffic: bool = False
 
 
 class SpecDecodeCounters(BaseModel):
@@ -96,6 +100,7 @@ class EngineResult(BaseModel):
     preemptions: int = 0
     vllm_version: str = ""
     orphans: bool = False  # processes of the child's group outlived it (set by run_engine)
+    tap_traffic: list[dict[str, int]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
 
 
 class EngineRunFailed(RuntimeError):
@@ -169,10 +174,15 @@ def execute(run: EngineRun) -> EngineResult:
                                  logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before)))
         before = after
     metrics = llm.get_metrics()
+    traffic = []
+    if run.tap_traffic:
+        from vllm_moa.integration.tensor_parallel import worker_tap_traffic
+
+        traffic = [t for t in llm.collective_rpc(worker_tap_traffic) if t]
     return EngineResult(
         passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
         prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
-        preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__,
+        preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
     )
 
 
@@ -197,6 +207,8 @@ def run_engine(run: EngineRun, *, timeout: float = 900, env: dict[str, str] | No
     import tempfile
 
     env = {CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB), **(env or {})}
+    if run.tap_traffic:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (EngineRun.tap_traffic)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         spec, out = Path(tmp) / "run.json", Path(tmp) / "result.json"
         spec.write_text(run.model_dump_json())

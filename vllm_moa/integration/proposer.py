@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_moa.decoding.tree import TreeGrowth
-from vllm_moa.integration import compat, tree
+from vllm_moa.integration import compat, tensor_parallel, tree
 from vllm_moa.integration.draft_config import (
     TREE_FIELD,
     UnsupportedMoASetup,
@@ -127,12 +127,15 @@ class MoAProposer(DraftModelProposer):
                 f"the drafter was trained on {sig.num_layers} target layers; vLLM's target has "
                 f"{len(target_names)} attention layers ({target_names[:3]}...)"
             )
+        tp = tensor_parallel.tp_size()
+        kv_heads = tensor_parallel.local_kv_heads(sig.num_kv_heads, tp)  # this rank's share (the tap gathers)
         for name in target_names:
             layer = layers[name]
-            if (layer.num_kv_heads, layer.head_size) != (sig.num_kv_heads, sig.head_dim):
+            if (layer.num_kv_heads, layer.head_size) != (kv_heads, sig.head_dim):
                 raise UnsupportedMoASetup(
-                    f"target layer {name} has {layer.num_kv_heads} KV heads of {layer.head_size}; the "
-                    f"drafter needs {sig.num_kv_heads} of {sig.head_dim} (tensor parallelism is not supported)"
+                    f"target layer {name} has {layer.num_kv_heads} KV heads of {layer.head_size} on this rank; "
+                    f"the drafter needs {kv_heads} of {sig.head_dim} (the target's {sig.num_kv_heads} "
+                    f"at tensor_parallel_size={tp})"
                 )
         self._target_layers = [layers[name] for name in target_names]
 

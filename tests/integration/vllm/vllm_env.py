@@ -103,20 +103,33 @@ def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
     return config
 
 
+def tensor_parallel_env(tp: int) -> dict[str, str]:
+    """vLLM CPU's thread binding for `tp` ranks: rank r on this process's core r mod n (two ranks
+    share a core when there are more ranks than cores, as TP = 3 on our 2-core machines)."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
+
+
 @cache
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
            stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
-           retrieval: tuple[tuple[str, int], ...] | None = None):
+           retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1):
     """One engine run over prompts(), cached for the session (`replica` starts another engine of
     the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
     and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
-    and recomputes requests."""
+    and recomputes requests. tp > 1: a tensor-parallel target (vLLM's mp executor, one process per
+    rank), with the tap's traffic read from every worker."""
     from vllm_moa.integration.offline import EngineRun, run_engine
 
     config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
     extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
              "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
+    if tp > 1:
+        extra["tensor_parallel_size"] = tp
     run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
-                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra})
-    return run_engine(run, timeout=900, env=ENGINE_ENV)
+                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra},
+                    tap_traffic=tp > 1 and config is not None)
+    return run_engine(run, timeout=900, env=tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV)

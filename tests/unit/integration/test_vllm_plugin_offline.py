@@ -118,11 +118,24 @@ def test_paths_vllm_would_rename_are_refused(tmp_path, needle):
         demo_check(drafter)
 
 
-@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
-                                    {"draft_tensor_parallel_size": 2}])
-def test_parallel_setups_are_refused(kwargs):
-    with pytest.raises(UnsupportedMoASetup, match=f"{next(iter(kwargs))}=2"):
+@pytest.mark.parametrize("kwargs,words", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2: vLLM drafts on the last pipeline stage"),
+    ({"draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2: the MoA drafter is sharded like the target"),
+    ({"tensor_parallel_size": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size=1"),
+    # the demo drafter's 6 heads / 2 KV heads (the target's too): 4 ranks split neither
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size=4: the drafter's SA heads: 6 heads do not split"),
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size=3: the drafter's SA KV heads: tensor_parallel_size=3 "
+                                  "is not a multiple of the 2 heads"),
+])
+def test_parallel_setups_that_are_refused(kwargs, words):
+    with pytest.raises(UnsupportedMoASetup) as refused:
         demo_check(DEMO / "moa-tli0", **kwargs)
+    assert str(refused.value).startswith(words) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "draft_tensor_parallel_size": 2}])
+def test_tensor_parallel_targets_are_accepted(kwargs):
+    assert demo_check(DEMO / "moa-tli0", **kwargs).tli == 0
 
 
 def test_sliding_window_target_is_refused(tmp_path):

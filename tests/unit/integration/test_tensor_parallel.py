@@ -1,0 +1,67 @@
+"""The head arithmetic of MoA on tensor-parallel targets (integration/tensor_parallel.py), without
+vLLM: which heads a rank holds, which setups are refused, and how the tap's all-gather turns every
+rank's slice back into LSA's full row. The engine runs at TP = 2 and 3 are in
+tests/integration/vllm/test_vllm_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_moa.integration.tensor_parallel import (
+    TapTraffic,
+    local_heads,
+    local_kv_heads,
+    tensor_parallel_refusal,
+    unique_kv_head_rows,
+)
+from vllm_moa.kernels.paged import gather_layer_rows, new_kv_cache, write_slots
+
+
+def test_heads_per_rank():
+    assert local_heads(9, 3, "x") == 3 and local_kv_heads(3, 3) == 1 and local_kv_heads(2, 2) == 1
+    assert local_kv_heads(2, 4) == 1  # replicated: 2 ranks per head
+    with pytest.raises(ValueError, match="9 heads do not split across tensor_parallel_size=2"):
+        local_heads(9, 2, "x")
+    with pytest.raises(ValueError, match="KV heads: tensor_parallel_size=3 is not a multiple of the 2 heads"):
+        local_kv_heads(2, 3)
+
+
+def test_refusals_name_the_part_that_does_not_split():
+    ok = {"sa_heads": 9, "sa_kv_heads": 3, "ca_heads": 9, "ca_kv_heads": 3, "target_kv_heads": 3}
+    assert tensor_parallel_refusal(3, **ok) is None  # SmolLM2's drafter at TP = 3
+    assert "the drafter's CA KV heads" in tensor_parallel_refusal(6, **{**ok, "sa_heads": 18, "ca_heads": 18})
+    assert tensor_parallel_refusal(6, **{**ok, "sa_heads": 18, "ca_heads": 18, "ca_kv_heads": 6}) is None
+    assert "the target's KV heads" in tensor_parallel_refusal(
+        6, **{**ok, "sa_heads": 18, "ca_heads": 18, "ca_kv_heads": 6, "target_kv_heads": 4})
+
+
+def _tp_slices(rows: torch.Tensor, tp: int, kv_heads: int) -> list[torch.Tensor]:
+    """What each of `tp` ranks holds of full rows [M, L, H_kv, 2d] (vLLM's layout: contiguous
+    head ranges; rank r holds head r // (tp / H_kv) when heads are replicated)."""
+    if tp <= kv_heads:
+        return list(rows.chunk(tp, dim=2))
+    replicas = tp // kv_heads
+    return [rows[:, :, r // replicas: r // replicas + 1] for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 3), (3, 3), (2, 2), (4, 2), (6, 3), (2, 4)])
+def test_gathered_slices_give_back_the_full_row(tp, kv_heads):
+    torch.manual_seed(0)
+    layers, heads_dim, tokens = 5, 8, 7
+    caches = [new_kv_cache(4, 4, kv_heads, heads_dim // 2, dtype=torch.float32) for _ in range(layers)]
+    slots = torch.tensor([0, 3, 5, 6, 9, 12, 15])
+    for cache in caches:
+        write_slots(cache, slots, torch.randn(tokens, kv_heads, heads_dim // 2), torch.randn(tokens, kv_heads, heads_dim // 2))
+    full = gather_layer_rows(caches, slots)  # [M, L, H_kv * 2d]: what LSA reads on one device
+    per_head = full.view(tokens, layers, kv_heads, heads_dim)
+    gathered = torch.cat([s.flatten(2) for s in _tp_slices(per_head, tp, kv_heads)], dim=-1)  # all-gather, dim -1
+    assert torch.equal(unique_kv_head_rows(gathered, tp, kv_heads), full)
+
+
+def test_traffic_counts_what_a_rank_sends():
+    traffic = TapTraffic(tp_size=3)
+    traffic.record(target_tokens=8, gathered_tokens=4, nbytes=100)
+    traffic.record(target_tokens=4, gathered_tokens=2, nbytes=50)
+    assert (traffic.steps, traffic.target_tokens, traffic.gathered_tokens, traffic.bytes_contributed,
+            traffic.bytes_sent) == (2, 12, 6, 150, 300)

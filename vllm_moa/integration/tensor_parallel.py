@@ -1,0 +1,139 @@
+"""MoA on a tensor-parallel target (docs/sharded-targets.md): what each rank holds, and the one
+collective the tap adds.
+
+Under tensor parallelism t, vLLM gives rank r the KV heads r*H_kv/t ... of every target layer
+(each head replicated on t/H_kv ranks when t > H_kv). Layer Self-Attention reads a token's full
+row, every KV head of every tapped layer, so the tap gathers the verified tokens' head slices from
+all ranks (one all-gather per step, rows of accepted tokens only) and runs LSA replicated; SA and
+CA are vLLM parallel layers, sharded by heads like the target's attention (the drafter's tensor
+parallel size is the target's). A reduced draft vocabulary needs its LM-head rows, which vLLM
+shards by vocabulary: they are assembled once by an all-reduce.
+
+The pure functions here (head arithmetic, de-replication) take the sizes as arguments and are
+tested without vLLM; the collectives are vLLM's own (vllm.distributed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def local_heads(total: int, tp_size: int, what: str) -> int:
+    """Heads of one rank when `total` heads are split `tp_size` ways (attention heads must divide)."""
+    if total % tp_size:
+        raise ValueError(f"{what} heads: {total} heads do not split across tensor_parallel_size={tp_size}")
+    return total // tp_size
+
+
+def local_kv_heads(total: int, tp_size: int, what: str = "KV") -> int:
+    """KV heads of one rank as vLLM's QKVParallelLinear lays them out: split when tp_size <= total
+    (total must divide), else one head per rank, each replicated on tp_size / total ranks."""
+    if tp_size <= total:
+        return local_heads(total, tp_size, what)
+    if tp_size % total:
+        raise ValueError(f"{what} heads: tensor_parallel_size={tp_size} is not a multiple of the {total} heads")
+    return 1
+
+
+def tensor_parallel_refusal(tp_size: int, *, sa_heads: int, sa_kv_heads: int, ca_heads: int,
+                            ca_kv_heads: int, target_kv_heads: int) -> str | None:
+    """Why a drafter with these head counts cannot run at tensor parallel size `tp_size` (None: it can).
+    CA's keys/values come from a column-parallel projection of the Ekv2E rows, which splits whole
+    heads only: CA's KV heads must divide (no replication)."""
+    try:
+        local_heads(sa_heads, tp_size, "the drafter's SA")
+        local_kv_heads(sa_kv_heads, tp_size, "the drafter's SA KV")
+        local_heads(ca_heads, tp_size, "the drafter's CA")
+        local_heads(ca_kv_heads, tp_size, "the drafter's CA KV")
+        local_kv_heads(target_kv_heads, tp_size, "the target's KV")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def unique_kv_head_rows(gathered: Tensor, tp_size: int, total_kv_heads: int) -> Tensor:
+    """Rows gathered from every rank, [..., tp_size * w] (rank order; w = one rank's heads x 2d) ->
+    [..., total_kv_heads * 2d]: when heads are replicated (tp_size > total_kv_heads), keep one copy
+    of each (rank r holds head r // (tp_size / total_kv_heads))."""
+    if tp_size <= total_kv_heads:
+        return gathered
+    replicas = tp_size // total_kv_heads
+    per_rank = gathered.view(*gathered.shape[:-1], tp_size, gathered.shape[-1] // tp_size)
+    return per_rank[..., ::replicas, :].flatten(-2)
+
+
+@dataclass
+class TapTraffic:
+    """What the tap's all-gather moved on this rank: steps, the tokens the target processed in them
+    and the verified ones gathered, and the bytes this rank contributed (a ring all-gather sends
+    (t - 1) times that). Read by the benchmark through vLLM's collective_rpc (worker_tap_traffic)."""
+
+    tp_size: int = 1
+    steps: int = 0  # all-gathers (one per step with verified tokens)
+    target_tokens: int = 0  # tokens the target ran in those steps (verified or not)
+    gathered_tokens: int = 0  # verified tokens whose rows were gathered
+    bytes_contributed: int = 0
+
+    def record(self, target_tokens: int, gathered_tokens: int, nbytes: int) -> None:
+        self.steps += 1
+        self.target_tokens += target_tokens
+        self.gathered_tokens += gathered_tokens
+        self.bytes_contributed += nbytes
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes a ring all-gather sends from this rank."""
+        return self.bytes_contributed * (self.tp_size - 1)
+
+
+def worker_tap_traffic(worker: Any) -> dict[str, int]:
+    """For vLLM's collective_rpc: this worker's TapTraffic and rank ({} without a MoA drafter)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    if not hasattr(drafter, "moa_model"):
+        return {}
+    traffic = drafter.moa_model().tap_traffic
+    return {"rank": get_tensor_model_parallel_rank(), **asdict(traffic), "bytes_sent": traffic.bytes_sent}
+
+
+def tp_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
+def gather_full_rows(local: Tensor, total_kv_heads: int, traffic: TapTraffic, step_tokens: int) -> Tensor:
+    """local [A, L, H_local * 2d] (this rank's KV heads of each tapped layer, for the A verified
+    tokens of a step of `step_tokens`) -> [A, L, H_kv * 2d], every rank's heads in head order
+    (kernels.paged.gather_layer_rows' layout)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    size = tp_size()
+    if size == 1:
+        return local
+    traffic.tp_size = size
+    traffic.record(step_tokens, local.shape[0], local.numel() * local.element_size())
+    gathered = tensor_model_parallel_all_gather(local.contiguous(), dim=-1)  # [M, L, t * H_local * 2d]
+    return unique_kv_head_rows(gathered, size, total_kv_heads)
+
+
+def vocab_rows(lm_head: torch.nn.Module, ids: Tensor) -> Tensor:
+    """The LM head's rows of target token `ids` [N] -> [N, E], whole on every rank (vLLM shards
+    the head by vocabulary: each rank fills the rows it holds, one all-reduce sums them)."""
+    weight = lm_head.weight
+    size = tp_size()
+    if size == 1:
+        return weight.index_select(0, ids)
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    shard = lm_head.shard_indices
+    start, end = shard.org_vocab_start_index, shard.org_vocab_end_index
+    mine = (ids >= start) & (ids < end)
+    rows = weight.new_zeros(ids.shape[0], weight.shape[1])
+    rows[mine] = weight.index_select(0, ids[mine] - start)
+    return tensor_model_parallel_all_reduce(rows)
