@@ -50,20 +50,27 @@ def target_shape(target: Path) -> tuple[int, int]:
     return config["num_hidden_layers"], config["hidden_size"]
 
 
-def traffic_summary(traffic: list[dict], layers: int, width: int) -> dict:
+def traffic_summary(traffic: list[dict], layers: int, width: int, decode_tokens_at_most: int) -> dict:
     """Per rank and step: the tap's bytes sent, the target's all-reduce bytes sent in those steps,
-    and their ratio (ranks report identical counts; rank 0's are used)."""
+    and their ratio, over all steps and over speculative steps alone (no prompt tokens: at most
+    `decode_tokens_at_most` target tokens). Ranks report identical counts; rank 0's are used."""
     rank0 = next(t for t in traffic if t["rank"] == 0)
-    tp, steps = rank0["tp_size"], rank0["steps"]
-    target_sent = 2 * (tp - 1) / tp * rank0["target_tokens"] * width * FP32 * (2 * layers + 1)
-    return {
-        "steps": steps, "target_tokens_per_step": rank0["target_tokens"] / steps,
-        "gathered_tokens_per_step": rank0["gathered_tokens"] / steps,
-        "tap_bytes_sent_per_step": rank0["bytes_sent"] / steps,
-        "target_allreduce_bytes_sent_per_step": target_sent / steps,
-        "tap_over_target": rank0["bytes_sent"] / target_sent,
-        "per_rank": traffic,
-    }
+    tp = rank0["tp_size"]
+
+    def summary(steps: list[tuple[int, int, int]]) -> dict:
+        target_tokens = sum(s[0] for s in steps)
+        tap_sent = sum(s[2] for s in steps) * (tp - 1)
+        target_sent = 2 * (tp - 1) / tp * target_tokens * width * FP32 * (2 * layers + 1)
+        return {"steps": len(steps), "target_tokens_per_step": target_tokens / len(steps),
+                "gathered_tokens_per_step": sum(s[1] for s in steps) / len(steps),
+                "tap_bytes_sent_per_step": tap_sent / len(steps),
+                "target_allreduce_bytes_sent_per_step": target_sent / len(steps),
+                "tap_over_target": tap_sent / target_sent}
+
+    steps = [tuple(s) for s in rank0["by_step"]]
+    return {"all_steps": summary(steps),
+            "speculative_steps": summary([s for s in steps if s[0] <= decode_tokens_at_most]),
+            "per_rank": [{k: v for k, v in t.items() if k != "by_step"} for t in traffic]}
 
 
 def main() -> None:
@@ -106,7 +113,9 @@ def main() -> None:
                "acceptance_length": timed.spec_decode.acceptance_length if methods[method] else None,
                "equals_no_speculation_tp1": timed.outputs == reference, "startup_s": result.startup_seconds}
         if result.tap_traffic:
-            row["traffic"] = traffic_summary(result.tap_traffic, layers, width)
+            config = methods[method]
+            row["traffic"] = traffic_summary(result.tap_traffic, layers, width,
+                                             len(prompts) * (config["num_speculative_tokens"] + 1))
         rows.append(row)
         tqdm.write(json.dumps({k: v for k, v in row.items() if k != "traffic"}))
     for row in rows:
@@ -136,16 +145,17 @@ def plot(record: dict, path: Path) -> None:
     left.legend(fontsize=8)
     sharded = [r for r in rows if "traffic" in r]
     labels = [f"{r['method']}\nTP={r['tp']}" for r in sharded]
-    tap = [r["traffic"]["tap_bytes_sent_per_step"] / 1024 for r in sharded]
-    own = [r["traffic"]["target_allreduce_bytes_sent_per_step"] / 1024 for r in sharded]
+    spec = [r["traffic"]["speculative_steps"] for r in sharded]
+    tap = [s["tap_bytes_sent_per_step"] / 1024 for s in spec]
+    own = [s["target_allreduce_bytes_sent_per_step"] / 1024 for s in spec]
     x = range(len(sharded))
     right.bar([i - 0.2 for i in x], own, 0.4, label="target's all-reduces")
     right.bar([i + 0.2 for i in x], tap, 0.4, label="MoA tap's all-gather")
-    for i, r in enumerate(sharded):
-        right.text(i + 0.2, tap[i], f"{100 * r['traffic']['tap_over_target']:.1f}%", ha="center", va="bottom", fontsize=8)
+    for i, step in enumerate(spec):
+        right.text(i + 0.2, tap[i], f"{100 * step['tap_over_target']:.1f}%", ha="center", va="bottom", fontsize=8)
     right.set_xticks(list(x), labels, fontsize=8)
     right.set_ylabel("KiB sent per rank per step")
-    right.set_title("communication per speculative step")
+    right.set_title("sent per rank per speculative step (prefill steps excluded)")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

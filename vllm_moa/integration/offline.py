@@ -100,7 +100,7 @@ class EngineResult(BaseModel):
     preemptions: int = 0
     vllm_version: str = ""
     orphans: bool = False  # processes of the child's group outlived it (set by run_engine)
-    tap_traffic: list[dict[str, int]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
+    tap_traffic: list[dict[str, Any]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
 
 
 class EngineRunFailed(RuntimeError):

@@ -15,8 +15,8 @@ tested without vLLM; the collectives are vLLM's own (vllm.distributed).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -77,12 +77,18 @@ class TapTraffic:
     target_tokens: int = 0  # tokens the target ran in those steps (verified or not)
     gathered_tokens: int = 0  # verified tokens whose rows were gathered
     bytes_contributed: int = 0
+    # the last STEPS_KEPT steps as (target tokens, gathered tokens, bytes contributed): benchmarks
+    # tell prefill steps from speculative ones by their token counts
+    by_step: list[tuple[int, int, int]] = field(default_factory=list)
+
+    STEPS_KEPT: ClassVar[int] = 4096
 
     def record(self, target_tokens: int, gathered_tokens: int, nbytes: int) -> None:
         self.steps += 1
         self.target_tokens += target_tokens
         self.gathered_tokens += gathered_tokens
         self.bytes_contributed += nbytes
+        self.by_step = [*self.by_step[1 - self.STEPS_KEPT:], (target_tokens, gathered_tokens, nbytes)]
 
     @property
     def bytes_sent(self) -> int:
@@ -90,7 +96,7 @@ class TapTraffic:
         return self.bytes_contributed * (self.tp_size - 1)
 
 
-def worker_tap_traffic(worker: Any) -> dict[str, int]:
+def worker_tap_traffic(worker: Any) -> dict[str, Any]:
     """For vLLM's collective_rpc: this worker's TapTraffic and rank ({} without a MoA drafter)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 

@@ -65,3 +65,7 @@ def test_traffic_counts_what_a_rank_sends():
     traffic.record(target_tokens=4, gathered_tokens=2, nbytes=50)
     assert (traffic.steps, traffic.target_tokens, traffic.gathered_tokens, traffic.bytes_contributed,
             traffic.bytes_sent) == (2, 12, 6, 150, 300)
+    assert traffic.by_step == [(8, 4, 100), (4, 2, 50)]
+    for _ in range(TapTraffic.STEPS_KEPT):
+        traffic.record(target_tokens=1, gathered_tokens=1, nbytes=1)
+    assert len(traffic.by_step) == TapTraffic.STEPS_KEPT and traffic.by_step[0] == (1, 1, 1)
