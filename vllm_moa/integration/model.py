@@ -341,7 +341,8 @@ class MoADraftModel(nn.Module):
     # -- the tap ----------------------------------------------------------------------------
     @torch.inference_mode()
     def write_rows(self, target_kv_caches: list[Tensor], layout: Callable, read_slots: Tensor,
-                   row_positions: Tensor, write_slots: Tensor, final_hidden: Tensor | None = None) -> None:
+                   row_positions: Tensor, write_slots: Tensor, final_hidden: Tensor | None = None,
+                   token_ids: Tensor | None = None) -> None:
         """Turn verified tokens into CA keys/values in CA's paged cache.
 
         target_kv_caches: the target's L per-layer caches (vLLM's tensors, read in `layout`; LSA reads
@@ -351,6 +352,8 @@ class MoADraftModel(nn.Module):
         write_slots [M]:   CA cache slots to write (the same slots; -1 = skip, a rejected draft)
         final_hidden [M, E]: the tokens' final post-norm target hidden states (the target's output
                           this step; read with config final_hidden_rows)
+        token_ids [M]:     the tokens (tensor parallelism: a checksum of the verified ones in
+                          tap_traffic shows that the ranks stay in step)
         """
         caches = self.lsa.select(target_kv_caches)
         if tensor_parallel.tp_size() == 1:
@@ -363,6 +366,8 @@ class MoADraftModel(nn.Module):
             read_slots, row_positions, write_slots = read_slots[keep], row_positions[keep], write_slots[keep]
             final_hidden = None if final_hidden is None else final_hidden[keep]
             local = gather_layer_rows(caches, read_slots, layout)  # [A, L, H_local * 2d]
+            if token_ids is not None:
+                self.tap_traffic.add_tokens(token_ids[keep], row_positions)
             full = tensor_parallel.gather_full_rows(local, self.config.target_signature.num_kv_heads,
                                                     self.tap_traffic, step_tokens)  # [A, L, H_kv * 2d]
             rows = self.lsa(full)

@@ -193,7 +193,8 @@ class MoAProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,  # [B]
         slot_mappings: Any = None,
     ) -> torch.Tensor:
-        self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu, target_hidden_states)
+        self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu, target_hidden_states,
+                                 target_token_ids)
         self._num_rejected = num_rejected_tokens_gpu
         lookups = self.plan_lookups(target_token_ids, next_token_ids, common_attn_metadata, num_rejected_tokens_gpu,
                                     num_speculative_tokens)
@@ -338,7 +339,8 @@ class MoAProposer(DraftModelProposer):
         )
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
-                            num_rejected: torch.Tensor | None, hidden_states: torch.Tensor | None = None) -> None:
+                            num_rejected: torch.Tensor | None, hidden_states: torch.Tensor | None = None,
+                            token_ids: torch.Tensor | None = None) -> None:
         """The tap: CA rows for the step's scheduled tokens, at their own slots (from their KV, and
         their final hidden states [N, E] with config final_hidden_rows)."""
         if positions.dim() != 1:
@@ -347,7 +349,8 @@ class MoAProposer(DraftModelProposer):
         write = tap_write_slots(cad.query_start_loc, slots, num_rejected)
         caches = [layer.kv_cache for layer in self._target_layers]
         final = None if hidden_states is None else hidden_states[: positions.shape[0]]
-        self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write, final)
+        ids = None if token_ids is None else token_ids[: positions.shape[0]]
+        self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write, final, ids)
 
     def build_per_group_and_layer_attn_metadata(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0

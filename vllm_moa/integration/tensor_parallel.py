@@ -81,7 +81,17 @@ class TapTraffic:
     # tell prefill steps from speculative ones by their token counts
     by_step: list[tuple[int, int, int]] = field(default_factory=list)
 
+    # sum over the verified tokens of (token id + 1) * (position + 1), mod 2**61 - 1: equal on
+    # every rank while the ranks verify the same tokens (tests compare it across ranks)
+    token_checksum: int = 0
+
     STEPS_KEPT: ClassVar[int] = 4096
+    CHECKSUM_MODULUS: ClassVar[int] = (1 << 61) - 1
+
+    def add_tokens(self, token_ids: Tensor, positions: Tensor) -> None:
+        """Fold the step's verified tokens [A] at positions [A] into token_checksum."""
+        step = int(((token_ids.long() + 1) * (positions.long() + 1)).sum())
+        self.token_checksum = (self.token_checksum + step) % self.CHECKSUM_MODULUS
 
     def record(self, target_tokens: int, gathered_tokens: int, nbytes: int) -> None:
         self.steps += 1

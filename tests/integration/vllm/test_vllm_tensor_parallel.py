@@ -47,7 +47,8 @@ def assert_equal_outputs(got, want, what: str) -> None:
 
 
 def assert_tap_traffic(result, tp: int, drafter_dir) -> None:
-    """Every rank gathered the same verified tokens, only those, and exactly their head slices."""
+    """Every rank gathered the same verified tokens (same ids at the same positions), only those,
+    and exactly their head slices."""
     config = read_drafter_config(drafter_dir)
     sig = config.target_signature
     per_token = len(config.lsa_layers) * 2 * sig.head_dim * max(1, sig.num_kv_heads // tp) * 4  # fp32 K and V of this rank's heads
@@ -56,8 +57,8 @@ def assert_tap_traffic(result, tp: int, drafter_dir) -> None:
     first = traffic[0]
     assert first["steps"] > 0 and 0 < first["gathered_tokens"] < first["target_tokens"]  # rejected drafts stay home
     for rank in traffic:
-        assert (rank["steps"], rank["gathered_tokens"], rank["target_tokens"]) == \
-            (first["steps"], first["gathered_tokens"], first["target_tokens"])
+        assert (rank["steps"], rank["gathered_tokens"], rank["target_tokens"], rank["token_checksum"]) == \
+            (first["steps"], first["gathered_tokens"], first["target_tokens"], first["token_checksum"])
         assert rank["bytes_contributed"] == rank["gathered_tokens"] * per_token
         assert rank["bytes_sent"] == rank["bytes_contributed"] * (tp - 1)
 
@@ -76,6 +77,18 @@ def test_demo_target_at_tp2_equals_no_speculation_and_accepts_as_at_tp1(what):
     assert sharded.spec_decode.acceptance_length == pytest.approx(one_device, rel=0.03)
     assert sharded.spec_decode.acceptance_length > 1.3  # the drafter works, not merely the verification
     assert_tap_traffic(sharded, 2, drafter)
+
+
+def test_sampled_trees_at_tp2_keep_the_ranks_in_step():
+    """At temperature > 0 every rank accepts along its own copy of each tree (integration/tree.py),
+    and each moves its KV-head slice of the accepted path: the ranks must draw the same path.
+    Had one diverged, it would verify other tokens than its peer next (the tap's checksums differ)."""
+    budget, tree = DEMO_TREE
+    sampled = engine("moa", budget, tree=tree, temperature=0.7, tp=2)
+    assert all(len(out) == len(prompt) and len(out) > 0 for out, prompt in
+               zip(sampled.passes[0].outputs, engine().passes[0].outputs, strict=True))
+    assert 1.3 < sampled.spec_decode.acceptance_length
+    assert_tap_traffic(sampled, 2, str(DEMO / "moa-tli0"))
 
 
 # -- SmolLM2 (9 heads, 3 KV heads) at TP = 3 -------------------------------------------------------

@@ -69,3 +69,13 @@ def test_traffic_counts_what_a_rank_sends():
     for _ in range(TapTraffic.STEPS_KEPT):
         traffic.record(target_tokens=1, gathered_tokens=1, nbytes=1)
     assert len(traffic.by_step) == TapTraffic.STEPS_KEPT and traffic.by_step[0] == (1, 1, 1)
+
+
+def test_token_checksum_tells_ranks_that_verify_other_tokens_apart():
+    one, other = TapTraffic(), TapTraffic()
+    one.add_tokens(torch.tensor([5, 7]), torch.tensor([10, 11]))
+    other.add_tokens(torch.tensor([5, 7]), torch.tensor([10, 11]))
+    assert one.token_checksum == other.token_checksum == 6 * 11 + 8 * 12
+    other.add_tokens(torch.tensor([9]), torch.tensor([12]))
+    one.add_tokens(torch.tensor([8]), torch.tensor([12]))
+    assert one.token_checksum != other.token_checksum
