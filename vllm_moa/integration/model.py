@@ -252,7 +252,7 @@ class MoADraftModel(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self._draft_vocab_rows: Tensor | None = None  # [N, E] under tensor parallelism (compute_logits)
+        self._draft_vocab_rows: tuple[tuple[int, int, int], Tensor] | None = None  # (weights' key, [N, E])
         self.tap_traffic = tensor_parallel.TapTraffic()  # the tap's all-gathers (tensor parallelism)
 
     # -- the draft loop ---------------------------------------------------------------------
@@ -268,12 +268,13 @@ class MoADraftModel(nn.Module):
         are multiplied and every other token gets -inf (never drafted)."""
         if self.draft_vocab is None:
             return self.logits_processor(self.lm_head, hidden_states)
-        if tensor_parallel.tp_size() == 1:
-            rows = self.lm_head.weight.index_select(0, self.draft_vocab)  # [N, E]
-        else:  # vLLM shards the head by vocabulary: assembled once (a collective), then kept
-            if self._draft_vocab_rows is None:
-                self._draft_vocab_rows = tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)
-            rows = self._draft_vocab_rows
+        # the head's N rows [N, E], gathered once and kept (gathering them at every draft step
+        # copied N x E values per step: 15% of a SmolLM2 worker's time at concurrency 1); under
+        # tensor parallelism vLLM shards the head by vocabulary and the rows take a collective
+        key = (self.lm_head.weight.data_ptr(), self.lm_head.weight._version, self.draft_vocab._version)
+        if self._draft_vocab_rows is None or self._draft_vocab_rows[0] != key:
+            self._draft_vocab_rows = key, tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)
+        rows = self._draft_vocab_rows[1]
         logits = torch.nn.functional.linear(hidden_states, rows)  # [M, N]
         full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
