@@ -19,7 +19,9 @@ management (prefix caching, preemption, chunked prefill) keeps them together.
 
 SA and CA are built from vLLM layers (QKV/merged/row-parallel linears, RMSNorm, get_rope,
 Attention), so vLLM owns their KV blocks (in the target's block tables), their attention
-backend and their compilation. LSA is `vllm_moa.kinds.moa.model.LayerSelfAttention`, the module
+backend and their compilation; under tensor parallelism they shard by heads like the target's
+attention, and the tap gathers each verified token's KV-head slices from every rank
+(integration/tensor_parallel.py). LSA is `vllm_moa.kinds.moa.model.LayerSelfAttention`, the module
 whose weights the LSA kernel reads.
 """
 
