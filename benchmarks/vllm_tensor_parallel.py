@@ -33,16 +33,10 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts, resolve_target  # noqa: E402
 from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.tensor_parallel import cpu_thread_binding  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 
 FP32 = 4
-
-
-def thread_binding(tp: int) -> dict[str, str]:
-    cores = sorted(os.sched_getaffinity(0))
-    if tp == 1:
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
 
 
 def target_shape(target: Path) -> tuple[int, int]:
@@ -87,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     origin = provenance()  # at the start: the code that runs
     target = resolve_target(args.target)
-    name = "demo" if args.target == "demo" else Path(args.target).name if args.target != "smollm2" else "smollm2"
+    name = Path(args.target).name  # demo, smollm2 or the model directory's name
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_tensor_parallel_{name}.json"
     prompts = load_prompts(target, None, args.num_prompts, args.prompt_tokens, heldout_prompts_file(args.drafter))
     depth, top_k, budget = (int(x) for x in args.tree.split(","))
@@ -104,7 +98,7 @@ def main() -> None:
         run = EngineRun(target=str(target), speculative_config=methods[method], prompts=prompts,
                         max_tokens=args.max_tokens, passes=[0, 0], engine=engine,
                         tap_traffic=tp > 1 and methods[method] is not None)
-        result = run_engine(run, timeout=1200, env={"VLLM_CPU_KVCACHE_SPACE": "1", **thread_binding(tp)})
+        result = run_engine(run, timeout=1200, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))})
         timed = result.passes[1]
         if reference is None:
             reference = timed.outputs  # no speculation at the first TP (1)

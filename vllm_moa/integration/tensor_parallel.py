@@ -117,6 +117,14 @@ def worker_tap_traffic(worker: Any) -> dict[str, Any]:
     return {"rank": get_tensor_model_parallel_rank(), **asdict(traffic), "bytes_sent": traffic.bytes_sent}
 
 
+def cpu_thread_binding(tp: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks on `cores`: all of them for one rank, else rank r on
+    core r mod n (two ranks share a core when there are more ranks than cores)."""
+    if tp == 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return "|".join(str(cores[r % len(cores)]) for r in range(tp))
+
+
 def tp_size() -> int:
     from vllm.distributed import get_tensor_model_parallel_world_size
 

@@ -108,8 +108,9 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
     share a core when there are more ranks than cores, as TP = 3 on our 2-core machines)."""
     import os
 
-    cores = sorted(os.sched_getaffinity(0))
-    return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
+    from vllm_moa.integration.tensor_parallel import cpu_thread_binding
+
+    return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))}
 
 
 @cache

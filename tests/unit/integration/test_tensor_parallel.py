@@ -10,6 +10,7 @@ import torch
 
 from vllm_moa.integration.tensor_parallel import (
     TapTraffic,
+    cpu_thread_binding,
     local_heads,
     local_kv_heads,
     tensor_parallel_refusal,
@@ -79,3 +80,8 @@ def test_token_checksum_tells_ranks_that_verify_other_tokens_apart():
     other.add_tokens(torch.tensor([9]), torch.tensor([12]))
     one.add_tokens(torch.tensor([8]), torch.tensor([12]))
     assert one.token_checksum != other.token_checksum
+
+
+def test_cpu_thread_binding():
+    assert cpu_thread_binding(1, [0, 1]) == "0-1"
+    assert cpu_thread_binding(3, [0, 1]) == "0|1|0"
