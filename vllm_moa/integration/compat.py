@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+import torch
 from torch import Tensor
 
 METHOD = "moa"  # SpeculativeConfig.method
@@ -370,6 +371,11 @@ class RunnerView:
         """Row `row`'s tokens before this step's drafts: prompt + outputs (host)."""
         batch = self._runner.input_batch
         return batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]].tolist()
+
+    def token_ids_at(self, rows: Tensor, positions: Tensor) -> Tensor:
+        """The tokens at `positions` [M] of batch rows `rows` [M] (host int64)."""
+        table = torch.from_numpy(self._runner.input_batch.token_ids_cpu)
+        return table[rows.cpu(), positions.cpu()].long()
 
     def scheduled_draft_count(self, row: int) -> int:
         """The draft tokens the scheduler gave row `row` this step."""

@@ -341,6 +341,18 @@ class MoADraftModel(nn.Module):
         hidden = hidden + ca.mlp(ca.post_norm(hidden))
         return self.compute_logits(self.model.out_norm(hidden))
 
+    # -- catching up after steps without drafts (integration/catch_up.py) ----------------------
+    @torch.inference_mode()
+    def write_sa_keys_values(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
+        """SA's keys/values of tokens [M] at positions [M], written at slots [M] of SA's paged
+        cache: what the first pass writes for them (they depend on the token and its position only)."""
+        sa = self.model.sa
+        qkv, _ = sa.qkv_proj(sa.input_norm(self.model.embed_tokens(token_ids)))
+        _, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+        k, _ = sa.rotary_emb(positions, k, None)  # RoPE on k alone, as CA's rows
+        shape = (-1, sa.num_kv_heads, sa.head_dim)
+        sa.attn.impl.do_kv_cache_update(sa.attn, k.view(shape), v.view(shape), sa.attn.kv_cache, slots)
+
     # -- the tap ----------------------------------------------------------------------------
     @torch.inference_mode()
     def write_rows(self, target_kv_caches: list[Tensor], layout: Callable, read_slots: Tensor,

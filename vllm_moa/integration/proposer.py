@@ -15,7 +15,10 @@ What MoA adds:
        non-causal in the first pass (like vLLM's DFlash drafter, the drafter's backend is
        chosen among those that support it), and no KV writes in the forward (no slot mapping);
     3. draft trees (speculative_config "moa_tree", integration/tree.py) and lookup drafts beside
-       the model's ("moa_retrieval", integration/retrieval.py).
+       the model's ("moa_retrieval", integration/retrieval.py);
+    4. chains skip steps that vLLM schedules without drafts (dynamic K = 0) and catch up when
+       drafting resumes (integration/catch_up.py; VLLM_MOA_CATCH_UP=0 runs vLLM's first pass
+       at every step instead).
 The embedding and LM head are the target's own modules (shared, never copied).
 """
 
@@ -34,8 +37,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_moa import envs
 from vllm_moa.decoding.tree import TreeGrowth
 from vllm_moa.integration import compat, tensor_parallel, tree
+from vllm_moa.integration.catch_up import StaleSlots, chunks
 from vllm_moa.integration.draft_config import (
     TREE_FIELD,
     UnsupportedMoASetup,
@@ -54,6 +59,7 @@ from vllm_moa.integration.retrieval import (
     request_histories,
 )
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
+from vllm_moa.kernels.paged import split_kv_cache
 
 logger = init_logger(__name__)
 
@@ -81,6 +87,7 @@ class MoAProposer(DraftModelProposer):
         self._chain_only_reason: str | None = None  # logged when it changes
         self.retrieval = requested_retrieval(spec)  # lookup drafts beside the model's (None: off)
         self.rounds = {"model": 0, "retrieval": 0}  # request-steps drafted by each (with retrieval on)
+        self.stale_slots = StaleSlots()  # slots of steps skipped at K = 0 (integration/catch_up.py)
         if self.tree_spec is not None:  # the tree patches are applied (patches.prepare_moa_engine)
             check_tree_setup(spec, vllm_config.kv_transfer_config)
 
@@ -193,6 +200,10 @@ class MoAProposer(DraftModelProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,  # [B]
         slot_mappings: Any = None,
     ) -> torch.Tensor:
+        if num_speculative_tokens == 0 and self.skips_steps_without_drafts():
+            return self.skip_step(common_attn_metadata, target_positions.shape[0], next_token_ids)
+        if self.stale_slots.any:
+            self.catch_up(common_attn_metadata, target_positions)
         self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu, target_hidden_states,
                                  target_token_ids)
         self._num_rejected = num_rejected_tokens_gpu
@@ -217,6 +228,40 @@ class MoAProposer(DraftModelProposer):
         finally:
             self._num_rejected = None
             self._root_hidden = None
+
+    # -- steps without drafts (integration/catch_up.py) -------------------------------------
+    def skips_steps_without_drafts(self) -> bool:
+        """Chains skip K = 0 steps unless VLLM_MOA_CATCH_UP=0; not trees (their first pass feeds the
+        tree levels) and not drafters whose CA rows carry the target's final hidden states (a
+        skipped step's are gone)."""
+        return (bool(envs.VLLM_MOA_CATCH_UP) and self.tree_spec is None
+                and not self.moa_model().config.final_hidden_rows)
+
+    def skip_step(self, cad: CommonAttentionMetadata, num_tokens: int, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """K = 0: neither the tap nor the first pass; the step's slots are stale until a step drafts."""
+        k_cache = split_kv_cache(self.moa_model().model.sa.attn.kv_cache, self._kv_layout)[0]
+        self.stale_slots.mark_stale(cad.slot_mapping[:num_tokens], k_cache.shape[0] * k_cache.shape[1])
+        self._last_draft_probs = None
+        return torch.empty(next_token_ids.shape[0], 0, dtype=torch.long, device=next_token_ids.device)
+
+    def catch_up(self, cad: CommonAttentionMetadata, positions: torch.Tensor) -> None:
+        """Before a step drafts: SA's K/V and CA's rows of the batch's stale tokens, from the tokens
+        and the target's cache, as the skipped steps would have written them."""
+        starts_at = compat.host_query_start_loc(cad)  # [B + 1]
+        batch = len(starts_at) - 1
+        first = positions[torch.tensor(starts_at[:-1]).clamp(max=max(positions.shape[0] - 1, 0))].tolist()
+        starts = [first[b] if starts_at[b + 1] > starts_at[b] else 0 for b in range(batch)]
+        rows, at, slots = self.stale_slots.stale_before(cad.block_table_tensor[:batch], self.block_size, starts)
+        if slots.numel() == 0:
+            return
+        tokens = compat.RunnerView(self._runner).token_ids_at(rows, at).to(slots.device)  # [M]
+        model = self.moa_model()
+        caches = [layer.kv_cache for layer in self._target_layers]
+        for part in chunks(slots.shape[0]):
+            model.write_sa_keys_values(tokens[part], at[part], slots[part])
+            model.write_rows(caches, self._kv_layout, slots[part], at[part], slots[part], None, tokens[part])
+        self.stale_slots.mark_fresh(slots)
+        self.stale_slots.caught_up_tokens += slots.shape[0]
 
     # -- lookup drafts (integration/retrieval.py) -------------------------------------------
     def plan_lookups(self, step_tokens: torch.Tensor, next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,
@@ -351,6 +396,7 @@ class MoAProposer(DraftModelProposer):
         final = None if hidden_states is None else hidden_states[: positions.shape[0]]
         ids = None if token_ids is None else token_ids[: positions.shape[0]]
         self.moa_model().write_rows(caches, self._kv_layout, slots, positions, write, final, ids)
+        self.stale_slots.mark_fresh(write)
 
     def build_per_group_and_layer_attn_metadata(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
