@@ -9,6 +9,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR --ks 3 --retrieval '{}'   # + hybrid rows
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size '[[1, 4, 4], [5, 256, 0]]'   # + K by batch size
+    python -m benchmarks.vllm_cpu_engine ... --per-batch-size ... --every-pass   # + the same, drafter run at K = 0
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -75,12 +76,14 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
 
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
             trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None,
-            per_batch_size: list[list[int]] | None = None) -> dict[str, dict | None]:
+            per_batch_size: list[list[int]] | None = None, every_pass: bool = False) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
     same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
     options), every MoA chain and tree also runs as a "hybrid" one; with `per_batch_size` (vLLM's
     num_speculative_tokens_per_batch_size: [first, last, K] batch-size ranges), every MoA chain
-    also runs with K chosen by vLLM's scheduler from that schedule ("... by batch size")."""
+    also runs with K chosen by vLLM's scheduler from that schedule ("... by batch size"), and with
+    `every_pass` once more with the drafter's first pass run at K = 0 steps too, as vLLM's draft
+    models do, instead of skipped and caught up (VLLM_MOA_CATCH_UP=0: "..., every pass")."""
     out: dict[str, dict | None] = {"none": None}
     if ngram_k:
         out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
@@ -95,12 +98,24 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
                         for name, config in list(out.items()) if name.startswith("moa ")})
     if per_batch_size:
-        out.update({f"{name} by batch size": {**config, "num_speculative_tokens_per_batch_size": per_batch_size}
-                    for name, config in list(out.items())
-                    if config and config.get("method") == "moa" and "moa_tree" not in config})
+        chains = [(name, config) for name, config in out.items()
+                  if config and config.get("method") == "moa" and "moa_tree" not in config]
+        for name, config in chains:
+            scheduled = {**config, "num_speculative_tokens_per_batch_size": per_batch_size}
+            out[f"{name} by batch size"] = scheduled
+            if every_pass:
+                out[f"{name} by batch size{EVERY_PASS}"] = scheduled
     if tli1 is not None:
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
     return out
+
+
+EVERY_PASS = ", every pass"  # a method run with VLLM_MOA_CATCH_UP=0
+
+
+def method_env(method: str) -> dict[str, str]:
+    """The environment variables a method's engine runs with beyond the benchmark's own."""
+    return {"VLLM_MOA_CATCH_UP": "0"} if method.endswith(EVERY_PASS) else {}
 
 
 def _tree(text: str) -> tuple[int, int, int]:
@@ -130,6 +145,8 @@ def main() -> None:
     parser.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON",
                         help="vLLM's num_speculative_tokens_per_batch_size, e.g. '[[1, 4, 4], [5, 256, 0]]': each MoA "
                              "chain also runs with K by batch size (K = 0: no drafts for that step)")
+    parser.add_argument("--every-pass", action="store_true",
+                        help="with --per-batch-size: also run each schedule with the drafter's first pass at K = 0")
     parser.add_argument("--tli1-drafter", type=Path, default=None,
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
@@ -151,12 +168,12 @@ def main() -> None:
 
     rows, reference = [], None
     configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
-                      args.per_batch_size)
+                      args.per_batch_size, args.every_pass)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
                                                               "max_num_seqs": max(args.concurrency)})
-        result = run_engine(run, timeout=3600, env=env)
+        result = run_engine(run, timeout=3600, env={**env, **method_env(method)})
         for measured in result.passes[1:]:
             reference = reference or {}
             if method == "none":
@@ -178,7 +195,8 @@ def main() -> None:
         "benchmark": "vllm_cpu_engine", "target": str(target), "drafter": str(drafter) if drafter else None,
         "tli1_drafter": str(tli1) if tli1 else None,
         "prompts": str(args.prompts or heldout), "num_prompts": len(prompts),
-        "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "methods": configs, "rows": rows,
+        "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens, "methods": configs,
+        "method_env": {method: method_env(method) for method in configs if method_env(method)}, "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True, **env,
                    "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", args.threads)},
         "provenance": origin,
