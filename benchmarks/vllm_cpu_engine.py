@@ -10,13 +10,15 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR --ks 3 --retrieval '{}'   # + hybrid rows
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size '[[1, 4, 4], [5, 256, 0]]'   # + K by batch size
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size ... --every-pass   # + the same, drafter run at K = 0
+    python -m benchmarks.vllm_cpu_engine ... --repeats 16=3   # three passes at concurrency 16 (median)
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
 
 One engine per method (started once, enforce_eager, fp32), each running a warm-up pass, then
-one pass per concurrency c: the prompts are submitted in groups of c, each group generated to
-the end (ignore_eos, the same length for all) before the next. Greedy; every method's tokens are
+one pass per concurrency c (or --repeats of them, reported by their median): the prompts are
+submitted in groups of c, each group generated to the end (ignore_eos, the same length for all)
+before the next. Greedy; every method's tokens are
 checked equal to no speculation's. Time per output token = a group's wall time / tokens per
 request. Writes benchmarks/results/vllm_cpu_engine_<target>.{json,png} with provenance.
 """
@@ -97,13 +99,13 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
         if retrieval is not None:
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
                         for name, config in list(out.items()) if name.startswith("moa ")})
-    if per_batch_size:
+    if per_batch_size:  # vLLM's n-gram takes the schedule too
         chains = [(name, config) for name, config in out.items()
-                  if config and config.get("method") == "moa" and "moa_tree" not in config]
+                  if config and config.get("method") in ("moa", "ngram") and "moa_tree" not in config]
         for name, config in chains:
             scheduled = {**config, "num_speculative_tokens_per_batch_size": per_batch_size}
             out[f"{name} by batch size"] = scheduled
-            if every_pass:
+            if every_pass and config["method"] == "moa":
                 out[f"{name} by batch size{EVERY_PASS}"] = scheduled
     if tli1 is not None:
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
@@ -116,6 +118,14 @@ EVERY_PASS = ", every pass"  # a method run with VLLM_MOA_CATCH_UP=0
 def method_env(method: str) -> dict[str, str]:
     """The environment variables a method's engine runs with beyond the benchmark's own."""
     return {"VLLM_MOA_CATCH_UP": "0"} if method.endswith(EVERY_PASS) else {}
+
+
+def _repeats(text: str) -> tuple[int, int]:
+    try:
+        concurrency, count = (int(x) for x in text.split("="))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a repeat is CONCURRENCY=PASSES (e.g. 16=3), got {text!r}") from None
+    return concurrency, count
 
 
 def _tree(text: str) -> tuple[int, int, int]:
@@ -136,6 +146,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="stdlib prompts: their last N tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=_repeats, nargs="*", default=[], metavar="C=N",
+                        help="N passes at concurrency C instead of one (short passes are noisy)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--ngram-k", type=int, default=3, help="n-gram's K (0: no n-gram run)")
     parser.add_argument("--trees", type=_tree, nargs="*", default=[], metavar="D,K,B",
@@ -166,15 +178,19 @@ def main() -> None:
     name = args.target if args.target in ("demo", "smollm2") else target.name
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_cpu_engine_{name}.json"
 
+    repeats = dict(args.repeats)
+    passes = [c for c in args.concurrency for _ in range(repeats.get(c, 1))]
     rows, reference = [], None
     configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
                       args.per_batch_size, args.every_pass)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
-                        passes=[0, *args.concurrency], engine={"dtype": "float32", "max_model_len": 2048,
-                                                              "max_num_seqs": max(args.concurrency)})
+                        passes=[0, *passes], engine={"dtype": "float32", "max_model_len": 2048,
+                                                     "max_num_seqs": max(args.concurrency)})
         result = run_engine(run, timeout=3600, env={**env, **method_env(method)})
-        for measured in result.passes[1:]:
+        for concurrency in args.concurrency:
+            runs = [p for p in result.passes[1:] if p.concurrency == concurrency]
+            measured = sorted(runs, key=lambda p: p.seconds)[len(runs) // 2]  # the median pass
             reference = reference or {}
             if method == "none":
                 reference[measured.concurrency] = measured.outputs
@@ -182,10 +198,11 @@ def main() -> None:
             rows.append({
                 "method": method, "concurrency": measured.concurrency,
                 "output_tokens_per_s": tokens / measured.seconds,
+                "passes_tokens_per_s": [tokens / p.seconds for p in runs],
                 "seconds_per_output_token": measured.seconds / (len(prompts) // measured.concurrency) / args.max_tokens,
                 "acceptance_length": measured.spec_decode.acceptance_length if measured.spec_decode.drafts else None,
                 "accepted_per_pos": measured.spec_decode.accepted_per_pos, "drafts": measured.spec_decode.drafts,
-                "equals_no_speculation": measured.outputs == reference.get(measured.concurrency),
+                "equals_no_speculation": all(p.outputs == reference.get(concurrency) for p in runs),
                 "seconds": measured.seconds, "engine_startup_seconds": result.startup_seconds,
             })
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["method"] == "none"}

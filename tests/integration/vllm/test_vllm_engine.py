@@ -413,8 +413,8 @@ def test_training_data_regenerated_by_vllm_equals_transformers_greedy():
 def test_k_by_batch_size_drafts_only_where_the_schedule_says_and_keeps_greedy_output(retrieval):
     """vLLM's num_speculative_tokens_per_batch_size with "moa" chains: K = 3 for one running
     request, none for more. All 16 prompts at once: (almost) no drafts; one at a time: every step
-    drafts 3. Either way the output stays plain vLLM's (steps without drafts still keep the
-    drafter's rows and SA cache in step, which the drafted steps after them rely on)."""
+    drafts 3. Either way the output stays plain vLLM's (the drafter skips steps without drafts
+    and catches up when drafting resumes: test_vllm_catch_up.py checks its drafts)."""
     config = {**moa(3, retrieval=retrieval), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 256, 0]]}
     run = run_engine(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
                                passes=[0, 1], engine=ENGINE), timeout=900, env=ENGINE_ENV)
