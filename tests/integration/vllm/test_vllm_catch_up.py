@@ -11,8 +11,13 @@ steps, some never caught up (the short requests'), which the catch-up must find 
 
 Both passes must accept what the same engine accepts with vLLM's behaviour (the first pass at
 every step, VLLM_MOA_CATCH_UP=0): drafts depend only on each request's tokens, so a faithful
-catch-up leaves acceptance unchanged. With the catch-up removed, pass 1 accepts 57 tokens instead
-of 67 and pass 2 92 instead of 94 (measured on this project's 2-core Xeon), and this test fails.
+catch-up leaves acceptance unchanged, up to rounding (the catch-up computes SA's keys in other
+batches than the first pass did, which can flip a near-tie draft: 66 tokens accepted in 49 drafts
+against 67 in 50 on this project's 2-core Xeon). Async scheduling is off so that which steps
+draft does not depend on timing. With the catch-up removed, pass 1 accepts 57 tokens in 57 drafts
+(1.00 per draft against 1.34) and the test fails; pass 2 barely notices (92 in 68 against 94 in
+69: the drafter leans on recent context, and only the first 128 tokens come from the prefix
+cache), so the slot bookkeeping of reused blocks is checked in tests/unit/integration/test_catch_up.py.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ def run(catch_up: bool):
               "num_speculative_tokens_per_batch_size": SCHEDULE}
     sampling = [{"max_tokens": 64 if i in LONG else 6} for i in range(8)]
     return run_engine(EngineRun(target=smollm2()[0], speculative_config=config, prompts=prompts(), max_tokens=6,
-                                sampling=sampling, passes=[0, 1], engine={"dtype": "float32", "max_model_len": 1024}),
+                                sampling=sampling, passes=[0, 1],
+                                engine={"dtype": "float32", "max_model_len": 1024, "async_scheduling": False}),
                       timeout=900, env={**ENGINE_ENV, "VLLM_MOA_CATCH_UP": "1" if catch_up else "0"})
 
 
@@ -61,7 +67,7 @@ def test_skipped_steps_caught_up_accept_as_if_the_drafter_had_run_at_every_step(
     for got, want in zip(skipped.passes, every_step.passes, strict=True):
         assert got.outputs == want.outputs  # greedy: speculation never changes them
         assert got.spec_decode.drafts > 10, got.spec_decode  # the long requests drafted
-        # vLLM's draft counts may differ by one at a request's end; accepted tokens may not
-        assert abs(got.spec_decode.accepted - want.spec_decode.accepted) <= 1, (
-            f"concurrency {got.concurrency}: accepted {got.spec_decode.accepted} tokens after catching up, "
-            f"{want.spec_decode.accepted} with the drafter at every step")
+        rate, expected = (c.spec_decode.accepted / c.spec_decode.drafts for c in (got, want))
+        assert abs(rate - expected) <= 0.05 and abs(got.spec_decode.accepted - want.spec_decode.accepted) <= 3, (
+            f"concurrency {got.concurrency}: {got.spec_decode} after catching up, {want.spec_decode} with the "
+            f"drafter at every step")
