@@ -16,7 +16,10 @@ row, its weights hot in cache, can be slower). So verifying a tree costs much le
 
 Packed (oneDNN, one fused matmul) when x is fp32 on a CPU, oneDNN is available and no gradient
 flows (x does not require one, or grad mode is off); otherwise each module runs as itself, so
-training and GPUs are untouched. The packed copy is keyed by the modules (a weak reference: it
+training and GPUs are untouched. Modules marked with `int8_weights(module)` (a drafter: never the
+target, whose logits decide what is accepted) run the same fused matmul on int8 weights instead
+(per-output-channel scales; each input row quantised on the fly; torch._int_mm): a drafter's draft
+steps read a quarter of the bytes, which is what they cost at batch 1 on a CPU. The packed copy is keyed by the modules (a weak reference: it
 goes when they go) and rebuilt when any weight or bias changes (an optimizer step, `.to()`,
 `load_state_dict`). It costs one extra copy of the packed weights in memory; `enabled(False)`
 turns packing off process-wide.
@@ -60,6 +63,44 @@ def enabled(flag: bool) -> Iterator[None]:
         yield
     finally:
         _enabled = previous
+
+
+def int8_weights(module: nn.Module, flag: bool = True) -> nn.Module:
+    """Mark `module` and every nn.Linear in it to run on int8 weights in CPU inference (see the
+    module docstring); returns the module. Drafts change a little (a drafter's only effect is
+    on acceptance), outputs never do."""
+    for sub in module.modules():
+        sub._int8_weights = flag
+    return module
+
+
+def _int8_marked(modules: tuple[nn.Linear, ...]) -> bool:
+    return all(getattr(m, "_int8_weights", False) for m in modules)
+
+
+class _Int8Pack:
+    """The modules' weights concatenated along the output axis as int8 [in, out] with a scale per
+    output channel; `weight` is None where _int_mm does not apply (sizes not multiples of 8)."""
+
+    def __init__(self, modules: tuple[nn.Linear, ...], key: tuple) -> None:
+        self.key = key
+        self.splits = [m.out_features for m in modules]
+        self.weight = self.scales = self.bias = None
+        weight = torch.cat([m.weight.detach() for m in modules]).float()  # [out, in]
+        if weight.shape[0] % 8 or weight.shape[1] % 8 or weight.device.type != "cpu":
+            return
+        self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
+        self.weight = (weight / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        if any(m.bias is not None for m in modules):
+            self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                   for m in modules]).float()
+
+    def __call__(self, flat: Tensor) -> Tensor:
+        """flat [rows, in] fp32 -> [rows, out] fp32."""
+        row_scales = (flat.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)  # [rows, 1]
+        quantised = (flat / row_scales).round().clamp(-127, 127).to(torch.int8)
+        out = torch._int_mm(quantised, self.weight).float() * (row_scales * self.scales)
+        return out if self.bias is None else out + self.bias
 
 
 class _Pack:
@@ -118,14 +159,18 @@ def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
     if by_modules is None:
         by_modules = _packs[modules[0]] = {}
     ids = tuple(map(id, modules))
-    key = _version_key(modules)
+    int8 = _int8_marked(modules)
+    key = (int8, *_version_key(modules))
     pack = by_modules.get(ids)
     if pack is None or pack.key != key:
-        pack = by_modules[ids] = _Pack(modules, key)
+        pack = by_modules[ids] = (_Int8Pack if int8 else _Pack)(modules, key)
     if pack.weight is None:
         return _plain(x, modules)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _packed_op()(flat, pack.weight, pack.bias, "none", [], "")  # [rows, sum out_i]
+    if int8:
+        out = pack(flat)  # [rows, sum out_i]
+    else:
+        out = _packed_op()(flat, pack.weight, pack.bias, "none", [], "")  # [rows, sum out_i]
     out = out.view(*x.shape[:-1], out.shape[-1])
     if len(modules) == 1:
         return out
