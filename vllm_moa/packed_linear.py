@@ -87,7 +87,7 @@ class _Int8Pack:
         self.splits = [m.out_features for m in modules]
         self.weight = self.scales = self.bias = None
         weight = torch.cat([m.weight.detach() for m in modules]).float()  # [out, in]
-        if weight.shape[0] % 8 or weight.shape[1] % 8 or weight.device.type != "cpu":
+        if weight.shape[0] % 8 or weight.shape[1] % 8 or weight.device.type != "cpu" or not hasattr(torch, "_int_mm"):
             return
         self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
         self.weight = (weight / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
