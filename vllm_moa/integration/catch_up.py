@@ -51,6 +51,11 @@ class StaleSlots:
             slots = slots.long()
             self._stale[slots[slots >= 0]] = False
 
+    def mark_caught_up(self, slots: Tensor) -> None:
+        """slots [M]: stale slots the catch-up just recomputed."""
+        self.mark_fresh(slots)
+        self.caught_up_tokens += slots.shape[0]
+
     def stale_before(self, block_table: Tensor, block_size: int, starts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """The stale tokens before each request's first scheduled position.
 

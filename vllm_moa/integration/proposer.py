@@ -260,8 +260,7 @@ class MoAProposer(DraftModelProposer):
         for part in chunks(slots.shape[0]):
             model.write_sa_keys_values(tokens[part], at[part], slots[part])
             model.write_rows(caches, self._kv_layout, slots[part], at[part], slots[part], None, tokens[part])
-        self.stale_slots.mark_fresh(slots)
-        self.stale_slots.caught_up_tokens += slots.shape[0]
+        self.stale_slots.mark_caught_up(slots)
 
     # -- lookup drafts (integration/retrieval.py) -------------------------------------------
     def plan_lookups(self, step_tokens: torch.Tensor, next_token_ids: torch.Tensor, cad: CommonAttentionMetadata,

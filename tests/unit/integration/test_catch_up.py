@@ -31,8 +31,8 @@ def test_skipped_slots_are_found_per_request_before_its_first_scheduled_position
     rows, positions, slots = stale.stale_before(TABLE, BLOCK, [6, 7])
     assert rows.tolist() == [0, 0, 1] and positions.tolist() == [4, 5, 6]
     assert slots.tolist() == [slot(0, 4), slot(0, 5), slot(1, 6)]
-    stale.mark_fresh(slots)
-    assert stale.stale_before(TABLE, BLOCK, [6, 7])[0].numel() == 0
+    stale.mark_caught_up(slots)
+    assert stale.caught_up_tokens == 3 and stale.stale_before(TABLE, BLOCK, [6, 7])[0].numel() == 0
     # position 7 of row 1 is still stale and is found once the request is past it
     assert stale.stale_before(TABLE, BLOCK, [0, 8])[1].tolist() == [7]
 
