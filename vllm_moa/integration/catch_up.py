@@ -37,10 +37,12 @@ class StaleSlots:
         """Whether any step was skipped yet (before that, no slot can be stale and nothing is checked)."""
         return self._stale is not None
 
-    def mark_stale(self, slots: Tensor, num_slots: int) -> None:
-        """slots [N]: the slots a skipped step's target wrote (-1 entries ignored)."""
-        if self._stale is None:
-            self._stale = torch.zeros(num_slots, dtype=torch.bool, device=slots.device)
+    def allocate(self, num_slots: int, device: torch.device) -> None:
+        """One flag per slot of the paged caches (before the first skipped step)."""
+        self._stale = torch.zeros(num_slots, dtype=torch.bool, device=device)
+
+    def mark_stale(self, slots: Tensor) -> None:
+        """slots [N]: the slots a skipped step's target wrote (-1 entries ignored); after allocate."""
         slots = slots.long()
         self._stale[slots[slots >= 0]] = True
         self.skipped_steps += 1

@@ -239,8 +239,10 @@ class MoAProposer(DraftModelProposer):
 
     def skip_step(self, cad: CommonAttentionMetadata, num_tokens: int, next_token_ids: torch.Tensor) -> torch.Tensor:
         """K = 0: neither the tap nor the first pass; the step's slots are stale until a step drafts."""
-        k_cache = split_kv_cache(self.moa_model().model.sa.attn.kv_cache, self._kv_layout)[0]
-        self.stale_slots.mark_stale(cad.slot_mapping[:num_tokens], k_cache.shape[0] * k_cache.shape[1])
+        if not self.stale_slots.any:  # the first skipped step: size the flags once
+            k_cache = split_kv_cache(self.moa_model().model.sa.attn.kv_cache, self._kv_layout)[0]
+            self.stale_slots.allocate(k_cache.shape[0] * k_cache.shape[1], k_cache.device)
+        self.stale_slots.mark_stale(cad.slot_mapping[:num_tokens])
         self._last_draft_probs = None
         return torch.empty(next_token_ids.shape[0], 0, dtype=torch.long, device=next_token_ids.device)
 

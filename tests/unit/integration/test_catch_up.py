@@ -26,7 +26,8 @@ def test_nothing_is_stale_before_a_step_is_skipped():
 def test_skipped_slots_are_found_per_request_before_its_first_scheduled_position():
     stale = StaleSlots()
     skipped = [slot(0, 4), slot(0, 5), slot(1, 6), slot(1, 7), -1]  # one skipped step; -1: a padded token
-    stale.mark_stale(torch.tensor(skipped), 32 * BLOCK)
+    stale.allocate(32 * BLOCK, torch.device("cpu"))
+    stale.mark_stale(torch.tensor(skipped))
     # row 0 now schedules position 6; row 1 position 7 (its position 7 is this step's, not stale yet)
     rows, positions, slots = stale.stale_before(TABLE, BLOCK, [6, 7])
     assert rows.tolist() == [0, 0, 1] and positions.tolist() == [4, 5, 6]
@@ -40,7 +41,8 @@ def test_skipped_slots_are_found_per_request_before_its_first_scheduled_position
 def test_a_block_reused_by_another_request_is_stale_until_written():
     """Prefix caching or block reuse: staleness belongs to the slot, whoever's table points to it."""
     stale = StaleSlots()
-    stale.mark_stale(torch.tensor([slot(0, 0), slot(0, 1)]), 32 * BLOCK)  # row 0's block 5, positions 0-1
+    stale.allocate(32 * BLOCK, torch.device("cpu"))
+    stale.mark_stale(torch.tensor([slot(0, 0), slot(0, 1)]))  # row 0's block 5, positions 0-1
     other = torch.tensor([[5, 6, 0]])  # a later request whose cached prefix is block 5
     assert stale.stale_before(other, BLOCK, [3])[1].tolist() == [0, 1]
 
