@@ -24,15 +24,12 @@ that a rerun after an interruption resumes at the stage it was in:
     layout of recipes/data), each drafter in fp16 and report.json (counts, timings, device,
     held-out agreement in the device's precision).
 
---responses DATA trains on an earlier run's token-id dataset instead of generating; --share-seconds
-caps each drafter's share (fair comparisons); --probe-batches 64 128 256 trains at the probe's
-pick; --generate-after spends what the drafters leave on new data for later runs.
-
-    python -m vllm_moa.recipes.smollm2_accelerator --ship OUT [--names moa-tli0 eagle]
-
-ships what such a run returned, here: held-out agreement measured in fp32 before and after (the
-figure benchmarks/heldout_agreement_smollm2.py gives), fp16 weights into vllm_moa/assets/smollm2
-and a `long_runs` entry in the card naming the device.
+--responses DATA: train on an earlier run's token-id dataset instead of generating; --earlier DATA...:
+add earlier runs' datasets (new prompts they hold are not asked again); --share-seconds caps each
+drafter's share; --probe-batches 64 128 256 trains at the probe's pick; --generate-after spends
+what the drafters leave on new data for later runs. `--ship OUT [--names ...]` ships what a run
+returned, here: held-out agreement in fp32 before and after (benchmarks/heldout_agreement_smollm2.py's
+figure), fp16 weights into vllm_moa/assets/smollm2, a `long_runs` entry in the card naming the device.
 """
 
 from __future__ import annotations
@@ -123,11 +120,12 @@ def generate_batched(hf_model, prompts: list[list[int]], max_new_tokens: int, te
 
 
 def build_prompts(work: Path, hf_model, tokenizer, requests: int, batch_size: int, seconds: float,
-                  held: list[DraftExample], seed: int, report: dict) -> list[list[int]]:
+                  held: list[DraftExample], seed: int, report: dict,
+                  earlier: list[DraftExample] = ()) -> list[list[int]]:
     """Encoded (chat-templated) Magpie-style training prompts. No coding tasks: the committed
     data already holds every standard-library task, and another wording of a held-out task would
     leak it into training. A prompt equal to a held-out one (case, spaces, punctuation folded) is
-    dropped."""
+    dropped, and so is one equal to a prompt of the `earlier` training sequences (no repeats)."""
     from vllm_moa.recipes.prompts import clean_user_turns, dedupe, fold, user_turn_prefix
     from vllm_moa.training.data import encode_prompt
 
@@ -143,10 +141,13 @@ def build_prompts(work: Path, hf_model, tokenizer, requests: int, batch_size: in
     finished = [tokenizer.decode(t[:-1]) for t in asked if t and t[-1] == eos]
     magpie = dedupe(clean_user_turns(finished))
     banned = {fold(tokenizer.decode(e.input_ids[: e.prompt_length])) for e in held}
+    seen = {fold(tokenizer.decode(e.input_ids[: e.prompt_length])) for e in earlier}
     encoded = [encode_prompt(tokenizer, p) for p in magpie]
-    kept = [ids for ids in encoded if fold(tokenizer.decode(ids)) not in banned]
+    folded = [fold(tokenizer.decode(ids)) for ids in encoded]
+    kept = [ids for ids, key in zip(encoded, folded) if key not in banned and key not in seen]
     report["prompts"] = {"magpie_requests": len(asked), "magpie_finished": len(finished), "magpie_kept": len(magpie),
-                         "coding": 0, "total": len(kept), "dropped_as_heldout": len(encoded) - len(kept),
+                         "coding": 0, "total": len(kept), "dropped_as_heldout": sum(k in banned for k in folded),
+                         "dropped_as_earlier": sum(k in seen and k not in banned for k in folded),
                          "wall_time_s": round(time.time() - started, 1), "samples": magpie[:8]}
     save_json(path, kept)
     return kept
@@ -224,11 +225,9 @@ def pick_batch(rates: list[tuple[int, float]], gain: float = 1.3) -> int:
 
 def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, batches: list[int], lr: float,
                 max_length: int, work: Path, steps: int = 12, gain: float = 1.3) -> tuple[int, list[dict]]:
-    """Time `steps` training steps of `name` at each batch size (a throwaway trainer each, after
-    `steps` untimed ones at the smallest batch: the device's first steps are slow; then the
-    first 4 of each untimed) and pick one (`pick_batch`: on an accelerator a small drafter's
-    step is mostly launch overhead, so a bigger batch can come almost free). A batch that does
-    not fit in memory ends the probe. -> (batch, rows)"""
+    """Time `steps` training steps of `name` at each batch (a throwaway trainer each, after `steps`
+    untimed warm-up ones; the first 4 of each untimed) and pick one (`pick_batch`: a small drafter's
+    step is mostly launch overhead). A batch that does not fit in memory ends the probe. -> (batch, rows)"""
     rows, rates = [], []
     batches = sorted(batches)
     for batch in [None, *batches]:  # None: the warm-up
@@ -286,20 +285,21 @@ def train_drafter(name: str, target, train: list[DraftExample], held: list[Draft
     write_fp16(tmp, out / name)
     dump = config.model_dump(mode="json")
     return {"kind": kind, "tli": tli, "warm_start": warm, "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
-            "steps": trainer.step, "schedule_steps": config.steps,
-            "batch_size": batch, "lr": lr, "max_length": max_length,
-            "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if uses_bf16(config.precision, trainer.device) else "fp32",
+            "steps": trainer.step, "schedule_steps": config.steps, "batch_size": batch, "lr": lr,
+            "max_length": max_length, "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if uses_bf16(config.precision, trainer.device) else "fp32",
             "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
             "sequences": len(train), "heldout_agreement_device": agreement, "metrics": log, "config": dump}
 
 
 # -- the job ----------------------------------------------------------------------------------
 def generate_data(args: argparse.Namespace, work: Path, target, tokenizer, held: list[DraftExample], report: dict,
-                  report_path: Path, start: float, prompt_seconds: float, response_seconds: float) -> list[DraftExample]:
-    """Stages 2 and 3: new training sequences (prompts and the target's answers) within the times given."""
+                  report_path: Path, start: float, prompt_seconds: float, response_seconds: float,
+                  earlier: list[DraftExample] = ()) -> list[DraftExample]:
+    """Stages 2 and 3: new training sequences (prompts and the target's answers) within the times
+    given; a prompt that the `earlier` sequences already hold is not asked again."""
     work.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
-                            prompt_seconds, held, args.seed, report)
+                            prompt_seconds, held, args.seed, report, earlier)
     save_json(report_path, report)
     _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
     new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
@@ -334,9 +334,13 @@ def run_job(args: argparse.Namespace) -> dict:
         raise ValueError(f"{folder}: the tokenizer's EOS is {tokenizer.eos_token_id}, the model's {eos}: convert the "
                          f"target again (remove {folder}, or run vllm-moa fetch smollm2 --force without --gguf)")
     _log(f"target on {report['device']} after {time.time() - start:.0f} s")
+    earlier = [example for path in args.earlier for example in load_dataset(path)[0]]
+    if args.earlier:  # earlier runs' data, trained on together with this run's (not written again)
+        report["earlier"] = {"from": [str(path) for path in args.earlier], "train_sequences": len(earlier),
+                             "train_response_tokens": sum(len(e.input_ids) - e.prompt_length for e in earlier)}
     if args.responses is None:
         new = generate_data(args, work, target, tokenizer, held, report, report_path, start,
-                            args.prompt_seconds, args.response_seconds)
+                            args.prompt_seconds, args.response_seconds, old_train + earlier)
     else:  # an earlier run's data: the same data as that run's drafters
         new, _ = load_dataset(args.responses)
         report["responses"] = {"from": str(args.responses), "train_sequences": len(new),
@@ -345,8 +349,8 @@ def run_job(args: argparse.Namespace) -> dict:
     if args.responses is None and len(new) < args.min_new_sequences:  # the drafters still train: said loudly
         report.setdefault("warnings", []).append(f"only {len(new)} new sequences (expected >= {args.min_new_sequences})")
         _log(f"WARNING: {report['warnings'][-1]}")
-    _log(f"{len(new)} new training sequences after {time.time() - start:.0f} s")
-    train = old_train + new
+    _log(f"{len(new)} new training sequences (+ {len(earlier)} earlier) after {time.time() - start:.0f} s")
+    train = old_train + earlier + new
     names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
     report.setdefault("drafters", {})
     batches = {}
@@ -380,7 +384,7 @@ def run_job(args: argparse.Namespace) -> dict:
         # the time the drafters left: new data for later runs (not trained on here)
         later: dict = {}
         generated = generate_data(args, work / "later", target, tokenizer, held, later, work / "later" / REPORT_NAME, start,
-                                  0.35 * left, 0.65 * left)
+                                  0.35 * left, 0.65 * left, train)
         report["generated_for_later"] = {**later, "dataset_bytes": save_dataset(generated, held, out / LATER_NAME)}
     report["wall_time_s"] = round(time.time() - start, 1)
     save_json(report_path, report)
@@ -444,7 +448,7 @@ def ship_run(results: Path, names: list[str], destination: Path = SHIPPED) -> di
             "kl_weight": run["kl_weight"], "heldout_agreement_before": before, "checkpoint": "accelerator run",
             "data": {"new_sequences": report["responses"]["train_sequences"],
                      "new_response_tokens": report["responses"]["train_response_tokens"],
-                     "dataset": dataset},
+                     "dataset": dataset, **({"earlier": report["earlier"]} if "earlier" in report else {})},
             "provenance": {**report["provenance"], "shipped_by": code_state["commit"]},
         }]
         entry.pop("long_run", None)
@@ -462,15 +466,13 @@ def main() -> None:
     parser.add_argument("--shipped", type=Path, default=SHIPPED, help="drafters to warm-start from")
     parser.add_argument("--names", nargs="+", default=["moa-tli0", "eagle"], choices=sorted(KL_WEIGHTS))
     parser.add_argument("--seconds", type=float, default=540, help="the whole job's wall-clock budget")
-    parser.add_argument("--reserve-seconds", type=float, default=40,
-                        help="kept for the drafters' evaluations and writing (all of them together)")
+    parser.add_argument("--reserve-seconds", type=float, default=40, help="for the drafters' evaluations and writing")
     parser.add_argument("--responses", type=Path, default=None,
                         help="train on this token-id dataset's training sequences (an earlier run's) instead of generating")
+    parser.add_argument("--earlier", type=Path, nargs="+", default=[], help="earlier runs' datasets, trained on too")
     parser.add_argument("--share-seconds", type=float, default=None, help="the most each drafter trains")
-    parser.add_argument("--probe-batches", type=int, nargs="*", default=[],
-                        help="time each batch size first and train at the probe's pick (see probe_batch)")
-    parser.add_argument("--generate-after", action="store_true",
-                        help="with --responses: generate new data in the time the drafters leave (for later runs)")
+    parser.add_argument("--probe-batches", type=int, nargs="*", default=[], help="train at probe_batch's pick")
+    parser.add_argument("--generate-after", action="store_true", help="with --responses: data for later runs")
     parser.add_argument("--prompt-seconds", type=float, default=45)
     parser.add_argument("--response-seconds", type=float, default=150)
     parser.add_argument("--magpie-requests", type=int, default=32768)

@@ -36,3 +36,21 @@ def test_batch_probe_moves_to_a_bigger_batch_only_for_enough_more_tokens_per_sec
     assert pick_batch([(64, 50_000.0), (128, 60_000.0), (256, 62_000.0)]) == 64  # 1.2x, 1.24x: not enough
     assert pick_batch([(64, 50_000.0), (128, 60_000.0), (256, 80_000.0)]) == 256  # 1.6x over 64
     assert pick_batch([(8, 1.0)]) == 8
+
+
+def test_prompts_an_earlier_run_holds_are_not_asked_again(tmp_path):
+    """--earlier: a second run that samples the same prompts keeps none of them (no repeats)."""
+    from tests.sampling_stats import smollm2
+    from vllm_moa.recipes.smollm2_accelerator import build_prompts
+    from vllm_moa.training.data import DraftExample
+
+    _, model, tokenizer = smollm2()
+    first_report, again_report = {}, {}
+    for folder in ("first", "again"):
+        (tmp_path / folder).mkdir()
+    first = build_prompts(tmp_path / "first", model, tokenizer, 6, 6, 60.0, [], 4, first_report)
+    assert first and first_report["prompts"]["dropped_as_earlier"] == 0
+    earlier = [DraftExample(tuple(ids + [tokenizer.eos_token_id]), len(ids)) for ids in first]
+    again = build_prompts(tmp_path / "again", model, tokenizer, 6, 6, 60.0, [], 4, again_report, earlier)
+    assert again == []
+    assert again_report["prompts"]["dropped_as_earlier"] == len(first)
