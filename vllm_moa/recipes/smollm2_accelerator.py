@@ -110,7 +110,7 @@ def generate_batched(hf_model, prompts: list[list[int]], max_new_tokens: int, te
         for row, i in enumerate(batch):
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
-        torch.manual_seed(seed + number)
+        torch.manual_seed(seed * 1_000_003 + number)  # runs with seeds s and s + 1 share no batch's stream
         new = hf_model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                                 pad_token_id=eos_token_id, eos_token_id=eos_token_id, **sampling)[:, width:].tolist()
         for row, i in enumerate(batch):

@@ -28,6 +28,16 @@ def test_deadline_leaves_unreached_prompts_out():
     assert generate_batched(model, prompts, 4, 0.0, seed=0, eos_token_id=5, batch_size=2, deadline=0.0) == [None] * 4
 
 
+def test_consecutive_seeds_sample_different_batches():
+    """Run 3 asked again half the prompts of the run before it (seeds 2 and 1): batch b of seed
+    s + 1 drew from the stream of batch b + 1 of seed s."""
+    model = make_hf_target(seed=3).eval()
+    prompts = [[7, 8, 9]] * 4
+    first = generate_batched(model, prompts, 8, 1.0, seed=1, eos_token_id=5, batch_size=1)
+    second = generate_batched(model, prompts, 8, 1.0, seed=2, eos_token_id=5, batch_size=1)
+    assert not set(map(tuple, first)) & set(map(tuple, second))
+
+
 def test_batch_probe_moves_to_a_bigger_batch_only_for_enough_more_tokens_per_second():
     from vllm_moa.recipes.smollm2_accelerator import pick_batch
 
