@@ -84,7 +84,8 @@ def part(run: Path, label: str, heldout: dict[str, tuple[dict, dict, dict]], job
             **({"from_job_log": schedule_from_log(job_log.read_text(), name)} if job_log else {}),
         }
     return {"label": label, "device": report["device"], "device_provenance": device_provenance(report["provenance"]),
-            **{k: report[k] for k in ("prompts", "responses", "batch_probe", "generated_for_later") if k in report},
+            **{k: report[k] for k in ("prompts", "responses", "earlier", "batch_probe", "generated_for_later")
+               if k in report},
             "warnings": report.get("warnings", []), "wall_time_s": report["wall_time_s"], "drafters": drafters}
 
 
