@@ -17,6 +17,9 @@
 #            benchmarks/accelerator_smollm2.sh run
 #      $OUT then holds the new token-id dataset, both drafters (fp16) and report.json; ship with
 #        python -m vllm_moa.recipes.smollm2_accelerator --ship <that folder>
+#      Earlier runs' data: EXTRA_ARGS="--earlier vllm_moa/recipes/data/<dataset>.json.gz ... --seed <new>".
+#      A call's timeout_s must cover SECONDS_BUDGET + one generation batch (~25 s) + ~40 s of start-up,
+#      or the call is killed before $OUT is written (run 3's third call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/smollm2-accelerator
@@ -65,7 +68,7 @@ run)
         2>&1 | grep --line-buffered -v "it/s\]" | tee "$LOG_DIR/job.log"
     ;;
 *)
-    sed -n '2,19p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac
