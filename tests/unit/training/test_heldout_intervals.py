@@ -36,3 +36,24 @@ def test_paired_intervals():
     assert 0 < low < high
     low, high = out[("a", "heldout")]["chain3_estimate_95"]
     assert low < out[("a", "heldout")]["chain3_estimate"] < high
+
+
+def test_training_curve_walks_the_card_and_extrapolates_along_its_fit():
+    """benchmarks/training_curve_smollm2.py: x accumulates each run's tokens, y is the agreement
+    the next run started from (the card's own figure last), and the fit's goal lies on its line."""
+    from benchmarks.training_curve_smollm2 import FEATURE_CACHE_MEAN_TOKENS, FIRST_BATCH, drafter_points, fit
+
+    flat = [0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    entry = {"steps": 10, "heldout_agreement_by_depth": [0.0, 0.9] * 3 + [0.9],
+             "long_runs": [{"target_tokens": 1000, "heldout_agreement_before": flat, "cores": 2},
+                           {"target_tokens": 9000, "heldout_agreement_before": [0.0] + [0.8] * 6,
+                            "accelerator": "GPU"}]}
+    points = drafter_points(entry)
+    start = round(10 * FIRST_BATCH * FEATURE_CACHE_MEAN_TOKENS)
+    assert [p["tokens"] for p in points] == [start, start + 1000, start + 10_000]
+    assert points[0]["chain3_estimate"] == 1.875 and points[1]["chain3_estimate"] == 1 + 0.8 + 0.64 + 0.512
+    assert points[2]["after"] == "GPU: 0.0M tokens"
+    line = [{"tokens": 10**k, "chain3_estimate": 1.0 + 0.25 * k} for k in (3, 4, 5)]
+    result = fit(line, goal=2.5)
+    assert result["per_10x_tokens"] == 0.25 and result["last_point_residual"] == 0.0
+    assert result["tokens_for_goal"] == result["tokens_for_goal_from_last_point"] == 1e6
