@@ -33,7 +33,11 @@ pytestmark = [
 
 DRAFTER = str(REPO / "vllm_moa" / "assets" / "smollm2" / "moa-tli0")
 TEMPERATURE, NEW_TOKENS = 0.7, 3
-PLAIN, WARPED, MANY, N, SEEDED, GREEDY = 600, 300, 100, 4, 16, 8  # requests per group
+# requests per group. MANY was 100 (400 samples of n = 4): with the drafter shipped from the H100 run
+# that group drew p = 3.7e-4 (unseeded requests follow vLLM's fixed engine seed, so every rerun drew
+# the same); two hand runs of the group alone, 2,000 samples each, gave p = 0.73 and 0.21, and the
+# wrong temperature p < 1e-140. 300 (1,200 samples) gives the test more power (vllm-cpu-sampling.md)
+PLAIN, WARPED, MANY, N, SEEDED, GREEDY = 600, 300, 300, 4, 16, 8
 TOP_K, TOP_P = 20, 0.9
 # every prefill fits one step: vLLM 0.32 on CPU kills the engine when a *seeded* request's prefill
 # is chunked (GPUModelRunner._bookkeeping_sync rewinds its generator with set_offset, which CPU
