@@ -47,15 +47,15 @@ def run_label(run: dict) -> str:
 def drafter_points(entry: dict) -> list[dict]:
     """(tokens so far, chain K=3 estimate, what trained last) for one drafter of the card."""
     tokens = entry["steps"] * FIRST_BATCH * FEATURE_CACHE_MEAN_TOKENS
-    points = []
+    points, after = [], "first drafter (x approximate)"
     for run in entry.get("long_runs", []):
-        label = "first drafter (x approximate)" if not points else points[-1]["next"]
         points.append({"tokens": round(tokens), "chain3_estimate": chain3(run["heldout_agreement_before"]),
-                       "after": label, "next": f"{run_label(run)}: {run['target_tokens'] / 1e6:.1f}M tokens"})
+                       "after": after})
         tokens += run["target_tokens"]
+        after = f"{run_label(run)}: {run['target_tokens'] / 1e6:.1f}M tokens"
     points.append({"tokens": round(tokens), "chain3_estimate": chain3(entry["heldout_agreement_by_depth"]),
-                   "after": points[-1]["next"] if points else "first drafter", "next": None})
-    return [{k: v for k, v in p.items() if k != "next"} for p in points]
+                   "after": after})
+    return points
 
 
 def fit(points: list[dict], goal: float) -> dict:
