@@ -26,7 +26,8 @@ that a rerun after an interruption resumes at the stage it was in:
 
 --responses DATA: train on an earlier run's token-id dataset instead of generating; --earlier DATA...:
 add earlier runs' datasets (new prompts they hold are not asked again); --share-seconds caps each
-drafter's share; --probe-batches 64 128 256 trains at the probe's pick; --generate-after spends
+drafter's share; --probe-batches 64 128 256 trains at the probe's pick (--probe-compile: compiled
+if that is faster); --generate-after spends
 what the drafters leave on new data for later runs. `--ship OUT [--names ...]` ships what a run
 returned, here: held-out agreement in fp32 before and after (benchmarks/heldout_agreement_smollm2.py's
 figure), fp16 weights into vllm_moa/assets/smollm2, a `long_runs` entry in the card naming the device.
@@ -43,27 +44,20 @@ from pathlib import Path
 
 import torch
 
-from vllm_moa.recipes.smollm2 import DRAFTERS, SmolRecipe, long_runs, model_card, provenance, save_json, write_fp16
+from vllm_moa.recipes.accelerator_training import KL_WEIGHTS, log, probe_batch, train_drafter
+from vllm_moa.recipes.smollm2 import SmolRecipe, long_runs, model_card, provenance, save_json, write_fp16
 from vllm_moa.recipes.smollm2_long import (
     DATASET,
     SHIPPED,
-    drafter_options,
     heldout_agreement,
     load_dataset,
-    run_tokens,
     save_dataset,
 )
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
-# each drafter's last long run on CPU (cards); MoA TLI=1 has none: MoA TLI=0's
-KL_WEIGHTS = {"moa-tli0": 1.0, "moa-tli1": 1.0, "eagle": 0.1}
 DATASET_NAME = "smollm2_accelerator_responses.json.gz"
 LATER_NAME = "smollm2_accelerator_generated.json.gz"  # generated, not trained on
 REPORT_NAME = "report.json"
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 # -- 1. target --------------------------------------------------------------------------------
@@ -184,113 +178,6 @@ def build_responses(work: Path, hf_model, prompts: list[list[int]], eos: int, ma
 
 
 # -- 4. drafters ------------------------------------------------------------------------------
-def _trainer(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path, batch: int,
-             lr: float, max_length: int, output_dir: Path):
-    """A trainer for `name`, warm-started from `shipped` where it holds that drafter, else from
-    scratch (the recipe's shape, MoA's LSA over every 3rd layer, the staircase curriculum over the
-    first 5% of the schedule). -> (trainer, warm)"""
-    from vllm_moa.models import load_drafter
-    from vllm_moa.recipes.smollm2 import draft_vocabulary
-    from vllm_moa.training.trainer import TrainConfig, Trainer
-
-    kind, tli, options = DRAFTERS[name]
-    warm = (shipped / name / "model.safetensors").is_file()
-    if warm:
-        loaded = load_drafter(shipped / name, target)
-        options, vocab = drafter_options(loaded)
-    else:
-        vocab = torch.tensor(draft_vocabulary(train, SmolRecipe.draft_vocab_size, target.vocab_size,
-                                              [target.hf_model.generation_config.eos_token_id]))
-        options = {**options, "draft_vocab_size": int(vocab.numel()),
-                   **({"lsa_layer_stride": 3} if kind == "moa" else {})}
-    config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=10**6, batch_size=batch, lr=lr,
-                         min_lr_ratio=0.05, kl_weight=KL_WEIGHTS[name], warmup_steps=30, max_length=max_length,
-                         eval_depth=SmolRecipe.eval_depth, output_dir=str(output_dir),
-                         staircase_until=0.0 if warm else 0.05, precision="auto", seed=0, progress=False)
-    trainer = Trainer(config, target, train, held, draft_vocab=vocab.cpu() if vocab is not None else None)
-    if warm:
-        trainer.drafter.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
-    return trainer, warm
-
-
-def pick_batch(rates: list[tuple[int, float]], gain: float = 1.3) -> int:
-    """The batch to train at, from (batch, target tokens/s) in increasing batch order: a bigger
-    batch only where it trains on at least `gain` times the tokens/s of the one picked before it."""
-    chosen, best = rates[0]
-    for batch, rate in rates[1:]:
-        if rate >= gain * best:
-            chosen, best = batch, rate
-    return chosen
-
-
-def probe_batch(name: str, target, train: list[DraftExample], shipped: Path, batches: list[int], lr: float,
-                max_length: int, work: Path, steps: int = 12, gain: float = 1.3) -> tuple[int, list[dict]]:
-    """Time `steps` training steps of `name` at each batch (a throwaway trainer each, after `steps`
-    untimed warm-up ones; the first 4 of each untimed) and pick one (`pick_batch`: a small drafter's
-    step is mostly launch overhead). A batch that does not fit in memory ends the probe. -> (batch, rows)"""
-    rows, rates = [], []
-    batches = sorted(batches)
-    for batch in [None, *batches]:  # None: the warm-up
-        try:
-            size = batches[0] if batch is None else batch
-            trainer, _ = _trainer(name, target, train, [], shipped, size, lr, max_length, work / f"probe-{name}")
-            started = 0.0
-            for step in range(steps):
-                if step == 4:
-                    started = time.time()
-                trainer.train_step()  # ends in .item(): the device is done with the step
-            elapsed = time.time() - started
-            dump = trainer.config.model_dump(mode="json")
-            tokens = run_tokens(train, dump, steps) - run_tokens(train, dump, 4)
-        except torch.cuda.OutOfMemoryError:
-            rows.append({"batch": batch, "error": "out of memory"})
-            break
-        finally:
-            trainer = None
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        if batch is None:
-            continue
-        rates.append((batch, tokens / elapsed))
-        rows.append({"batch": batch, "target_tokens_per_s": round(tokens / elapsed),
-                     "seconds_per_step": round(elapsed / (steps - 4), 4)})
-        _log(f"probe {name} batch {batch}: {tokens / elapsed:,.0f} target tokens/s, {elapsed / (steps - 4):.3f} s/step")
-    return (pick_batch(rates, gain) if rates else batches[0]), rows
-
-
-def train_drafter(name: str, target, train: list[DraftExample], held: list[DraftExample], shipped: Path,
-                  seconds: float, batch: int, lr: float, max_length: int, work: Path, out: Path) -> dict:
-    """Train `name` (see `_trainer`) for `seconds`, then write it in fp16 to out/name."""
-    from vllm_moa.training.trainer import uses_bf16
-
-    trainer, warm = _trainer(name, target, train, held, shipped, batch, lr, max_length, work / name)
-    config = trainer.config
-    kind, tli = config.drafter, config.tli
-    started = time.time()
-    deadline, mark, log = started + seconds, None, []
-    while time.time() < deadline and trainer.step < config.steps:
-        metrics = trainer.train_step()
-        if trainer.step == 20:  # the first steps are slow (allocator, kernel selection): timed from here
-            mark = (trainer.step, time.time())
-        elif mark is not None and trainer.step % 10 == 0:  # the schedule ends where the time share does
-            rate = (time.time() - mark[1]) / (trainer.step - mark[0])
-            config.steps = trainer.step + max(1, int((deadline - time.time()) / rate))
-        if trainer.step % 50 == 0:
-            log.append({k: metrics[k] for k in ("step", "loss", "kl", "feature", "lr", "agreement")})
-            _log(f"{name} step {trainer.step}/{config.steps} loss {metrics['loss']:.3f} agree {metrics['agreement'][1:4]}")
-    elapsed = time.time() - started
-    agreement = trainer.evaluate()
-    tmp = work / name / "drafter"
-    trainer.drafter.save_pretrained(tmp)
-    write_fp16(tmp, out / name)
-    dump = config.model_dump(mode="json")
-    return {"kind": kind, "tli": tli, "warm_start": warm, "parameters": sum(p.numel() for p in trainer.drafter.parameters()),
-            "steps": trainer.step, "schedule_steps": config.steps, "batch_size": batch, "lr": lr,
-            "max_length": max_length, "kl_weight": KL_WEIGHTS[name], "precision": "bf16" if uses_bf16(config.precision, trainer.device) else "fp32",
-            "target_tokens": run_tokens(train, dump, trainer.step), "train_seconds": round(elapsed, 1),
-            "sequences": len(train), "heldout_agreement_device": agreement, "metrics": log, "config": dump}
-
-
 # -- the job ----------------------------------------------------------------------------------
 def generate_data(args: argparse.Namespace, work: Path, target, tokenizer, held: list[DraftExample], report: dict,
                   report_path: Path, start: float, prompt_seconds: float, response_seconds: float,
@@ -301,11 +188,11 @@ def generate_data(args: argparse.Namespace, work: Path, target, tokenizer, held:
     prompts = build_prompts(work, target.hf_model, tokenizer, args.magpie_requests, args.batch_generate,
                             prompt_seconds, held, args.seed, report, earlier)
     save_json(report_path, report)
-    _log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
+    log(f"{len(prompts)} prompts after {time.time() - start:.0f} s")
     new = build_responses(work, target.hf_model, prompts, tokenizer.eos_token_id, args.response_tokens,
                           args.batch_generate, response_seconds, args.seed + 1, report)
     save_json(report_path, report)
-    _log(f"{len(new)} responses after {time.time() - start:.0f} s")
+    log(f"{len(new)} responses after {time.time() - start:.0f} s")
     return new
 
 
@@ -333,7 +220,7 @@ def run_job(args: argparse.Namespace) -> dict:
     if tokenizer.eos_token_id not in (eos if isinstance(eos, list) else [eos]):  # turns would never end
         raise ValueError(f"{folder}: the tokenizer's EOS is {tokenizer.eos_token_id}, the model's {eos}: convert the "
                          f"target again (remove {folder}, or run vllm-moa fetch smollm2 --force without --gguf)")
-    _log(f"target on {report['device']} after {time.time() - start:.0f} s")
+    log(f"target on {report['device']} after {time.time() - start:.0f} s")
     earlier = [example for path in args.earlier for example in load_dataset(path)[0]]
     if args.earlier:  # earlier runs' data, trained on together with this run's (not written again)
         report["earlier"] = {"from": [str(path) for path in args.earlier], "train_sequences": len(earlier),
@@ -348,35 +235,36 @@ def run_job(args: argparse.Namespace) -> dict:
     report["dataset_bytes"] = save_dataset(new, held, out / DATASET_NAME)
     if args.responses is None and len(new) < args.min_new_sequences:  # the drafters still train: said loudly
         report.setdefault("warnings", []).append(f"only {len(new)} new sequences (expected >= {args.min_new_sequences})")
-        _log(f"WARNING: {report['warnings'][-1]}")
-    _log(f"{len(new)} new training sequences (+ {len(earlier)} earlier) after {time.time() - start:.0f} s")
+        log(f"WARNING: {report['warnings'][-1]}")
+    log(f"{len(new)} new training sequences (+ {len(earlier)} earlier) after {time.time() - start:.0f} s")
     train = old_train + earlier + new
     names = [n for n in args.names if not (out / n / "model.safetensors").is_file()]
     report.setdefault("drafters", {})
     batches = {}
     for name in names:  # each drafter's batch: the probe's pick, or --batch
         if args.probe_batches and name not in report.get("batch_probe", {}):
-            chosen, rows = probe_batch(name, target, train, args.shipped, args.probe_batches, args.lr,
-                                       args.max_length, work)
-            report.setdefault("batch_probe", {})[name] = {"rows": rows, "chosen": chosen}
+            chosen, compiled, rows = probe_batch(name, target, train, args.shipped, args.probe_batches, args.lr,
+                                                 args.max_length, work, compiled=args.probe_compile)
+            report.setdefault("batch_probe", {})[name] = {"rows": rows, "chosen": chosen, "compile": compiled}
             save_json(report_path, report)
-        batches[name] = report.get("batch_probe", {}).get(name, {}).get("chosen", args.batch)
+        probed = report.get("batch_probe", {}).get(name, {})
+        batches[name] = (probed.get("chosen", args.batch), probed.get("compile", False))
     # equal shares, fixed now (at most --share-seconds each, e.g. an earlier run's for a fair
     # comparison): each drafter's evaluation and writing come out of the reserve, not out of the
     # next drafter's share
     share = (args.seconds - (time.time() - start) - args.reserve_seconds) / max(1, len(names))
     share = min(share, args.share_seconds) if args.share_seconds else share
     for name in names:
-        _log(f"training {name} for {share:.0f} s at batch {batches[name]}")
+        log(f"training {name} for {share:.0f} s at batch {batches[name][0]}{' (compiled)' * batches[name][1]}")
         if share < 30:  # the data stages overran: no drafter rather than an untrained one
             report["drafters"][name] = {"error": f"no time left to train ({share:.0f} s)"}
             continue
         try:
-            report["drafters"][name] = train_drafter(name, target, train, held, args.shipped, share,
-                                                     batches[name], args.lr, args.max_length, work, out)
+            report["drafters"][name] = train_drafter(name, target, train, held, args.shipped, share, batches[name][0],
+                                                     args.lr, args.max_length, work, out, batches[name][1])
         except Exception as err:  # the other drafter and the dataset still come back
             report["drafters"][name] = {"error": f"{type(err).__name__}: {err}"}
-            _log(f"{name} failed: {err!r}")
+            log(f"{name} failed: {err!r}")
         save_json(report_path, report)
         save_json(out / REPORT_NAME, report)
     left = args.seconds - (time.time() - start) - 10
@@ -472,6 +360,8 @@ def main() -> None:
     parser.add_argument("--earlier", type=Path, nargs="+", default=[], help="earlier runs' datasets, trained on too")
     parser.add_argument("--share-seconds", type=float, default=None, help="the most each drafter trains")
     parser.add_argument("--probe-batches", type=int, nargs="*", default=[], help="train at probe_batch's pick")
+    parser.add_argument("--probe-compile", action="store_true",
+                        help="with --probe-batches: also time the pick compiled (TrainConfig.compile); kept if faster")
     parser.add_argument("--generate-after", action="store_true", help="with --responses: data for later runs")
     parser.add_argument("--prompt-seconds", type=float, default=45)
     parser.add_argument("--response-seconds", type=float, default=150)

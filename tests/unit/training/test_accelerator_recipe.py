@@ -39,7 +39,7 @@ def test_consecutive_seeds_sample_different_batches():
 
 
 def test_batch_probe_moves_to_a_bigger_batch_only_for_enough_more_tokens_per_second():
-    from vllm_moa.recipes.smollm2_accelerator import pick_batch
+    from vllm_moa.recipes.accelerator_training import pick_batch
 
     # the second H200 run's probe (64 included its warm-up): 128 and then 256 pay
     assert pick_batch([(64, 14_894.0), (128, 69_859.0), (256, 106_480.0)]) == 256
