@@ -97,8 +97,8 @@ def plot(drafters: dict, goal: float, path: Path) -> None:
         x = [p["tokens"] for p in data["points"]]
         y = [p["chain3_estimate"] for p in data["points"]]
         ax.plot(x, y, "o-", color=color, label=name)
-        line = np.logspace(math.log10(min(x)), math.log10(max(x) * 10), 50)
-        f = data["fit"]
+        f = data["fit"]  # the fit drawn to 10x the last point, or past the goal where that is further
+        line = np.logspace(math.log10(min(x)), math.log10(min(1e11, max(max(x) * 10, 1.5 * f["tokens_for_goal"]))), 50)
         ax.plot(line, f["intercept"] + f["per_10x_tokens"] * np.log10(line), "--", color=color, alpha=0.6,
                 label=f"{name} fit: +{f['per_10x_tokens']:.2f} per 10x tokens")
     ax.axhline(goal, color="gray", lw=0.8, ls=":", label=f"goal {goal}")
