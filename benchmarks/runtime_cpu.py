@@ -46,7 +46,7 @@ from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
-from vllm_moa.packed_linear import int8_weights  # noqa: E402
+from vllm_moa.packed_linear import weight_format  # noqa: E402
 from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
@@ -88,8 +88,8 @@ def main() -> None:
                         metavar="DEPTH,TOP_K,BUDGET")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS),
                         help="shipped drafter names, LABEL=DIR (a drafter directory), 'ngram', 'hybrid:<name>': "
-                             "lookup merged into that drafter's trees (decoding/retrieval.py), or 'int8:<name>' "
-                             "(also 'hybrid:int8:<name>'): the drafter on int8 weights (packed_linear.int8_weights)")
+                             "lookup merged into that drafter's trees (decoding/retrieval.py), or 'int8:<name>' / 'bf16:<name>' "
+                             "(also 'hybrid:int8:<name>'): the drafter on int8 / bf16 weights (packed_linear.weight_format)")
     parser.add_argument("--retrieval", type=Retrieval.model_validate_json, default=Retrieval(),
                         help="options of the hybrid rows, as JSON (e.g. '{\"min_ngram\": 1}')")
     parser.add_argument("--threads", type=int, default=None)
@@ -134,11 +134,11 @@ def main() -> None:
     configs = shapes(args.chains, args.trees)
     engines = {}
     for name in args.drafters:
-        base = name.removeprefix("hybrid:").removeprefix("int8:")
+        fmt, _, base = name.removeprefix("hybrid:").rpartition(":")  # fmt: "", "int8" or "bf16"
         path = directories.get(base, drafters_dir / base)
         drafter = "ngram" if base == "ngram" else load_drafter(path, target).eval()
-        if "int8:" in name:
-            int8_weights(drafter)
+        if fmt:
+            weight_format(drafter, fmt)
         retrieval = args.retrieval if name.startswith("hybrid:") else None
         for shape_name, spec in configs.items():
             engines[(name, shape_name)] = SpeculativeEngine(target, drafter, spec, retrieval=retrieval)

@@ -101,11 +101,11 @@ class Drafter(nn.Module):
         (cached while the head and the vocabulary are unchanged)."""
         weight = target.lm_head_weight()
         key = (weight.data_ptr(), weight.dtype, weight.device, self.draft_vocab.data_ptr(), self.draft_vocab._version,
-               getattr(self, "_int8_weights", False))
+               getattr(self, "_weight_format", "fp32"))
         if self._head_rows is None or self._head_rows[0] != key:
             head = nn.Linear(weight.shape[1], self.draft_vocab.numel(), bias=False, device="meta")
             head.weight = nn.Parameter(weight.detach().index_select(0, self.draft_vocab), requires_grad=False)
-            head._int8_weights = getattr(self, "_int8_weights", False)  # packed_linear.int8_weights(drafter)
+            head._weight_format = getattr(self, "_weight_format", "fp32")  # packed_linear.weight_format(drafter)
             self._head_rows = (key, head)
         return self._head_rows[1]
 

@@ -115,33 +115,48 @@ def test_compiled_code_takes_the_plain_path(monkeypatch):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
 
 
-# -- int8 weights (drafters only) ------------------------------------------------------------------
-def _int8_packs(module) -> int:
-    return sum(isinstance(p, packed_linear._Int8Pack) and p.weight is not None
-               for p in packed_linear._packs.get(module, {}).values())
+# -- int8 and bf16 weights (drafters only) ---------------------------------------------------------
+def _low_precision_packs(module, fmt: str) -> int:
+    """Packs of `module` that really hold `fmt` weights (not an fp32 pack, not the plain path)."""
+    packs = packed_linear._packs.get(module, {}).values()
+    if fmt == "int8":
+        return sum(isinstance(p, packed_linear._Int8Pack) and p.weight is not None for p in packs)
+    return sum(isinstance(p, packed_linear._Pack) and p.weight is not None and p.weight.dtype == torch.bfloat16
+               for p in packs)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_int8_weights_stay_close_to_fp32_and_fuse_projections(rows):
+def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt):
     q, k, v = _modules((576, 576), (576, 192), (576, 192), bias=True)
     x = torch.randn(rows, 576)
     with torch.no_grad():
         want = [torch.nn.functional.linear(x, m.weight, m.bias) for m in (q, k, v)]
-        packed_linear.int8_weights(q), packed_linear.int8_weights(k), packed_linear.int8_weights(v)
+        for m in (q, k, v):
+            packed_linear.weight_format(m, fmt)
         got = linear(x, q, k, v)
-    assert _int8_packs(q) == 1
+    assert _low_precision_packs(q, fmt) == 1
     for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape
+        assert g.shape == w.shape and g.dtype == torch.float32
         error = (g - w).norm() / w.norm()
-        assert 1e-5 < error < 0.02, error  # int8 for real (not fp32), and close to it
+        assert 1e-5 < error < 0.02, error  # int8 / bf16 for real (not fp32), and close to it
     with torch.no_grad():  # unmarked again: exact fp32
-        packed_linear.int8_weights(q, False), packed_linear.int8_weights(k, False), packed_linear.int8_weights(v, False)
+        for m in (q, k, v):
+            packed_linear.weight_format(m, "fp32")
         torch.testing.assert_close(linear(x, q, k, v)[0], want[0], rtol=1e-5, atol=1e-5)
 
 
-def test_an_int8_drafter_changes_drafts_never_outputs():
-    """The shipped demo MoA on int8 weights: the output stays the target's greedy one (the target
-    is not marked: the drafter only borrows it), acceptance stays near the fp32 drafter's."""
+def test_an_unknown_weight_format_is_refused_by_name():
+    with pytest.raises(ValueError, match="'fp8'.*fp32, bf16, int8"):
+        packed_linear.weight_format(torch.nn.Linear(8, 8), "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_a_low_precision_drafter_changes_drafts_never_outputs(fmt, monkeypatch):
+    """The shipped demo MoA on int8 / bf16 weights: the output stays the target's greedy one (the
+    target is not marked: the drafter only borrows it, its LM head rows included), acceptance
+    stays near the fp32 drafter's. The demo's layers are below MIN_WEIGHTS (they would stay fp32
+    in bf16, as small layers do): packed here whatever their size."""
     from vllm_moa.decoding.chain import plain_greedy_generate
     from vllm_moa.decoding.engine import SpeculativeEngine
     from vllm_moa.decoding.tree import DraftSpec
@@ -152,11 +167,12 @@ def test_an_int8_drafter_changes_drafts_never_outputs():
     target = TargetModel.from_pretrained(SHIPPED / "target")
     drafter = load_drafter(SHIPPED / "moa-tli0", target).eval()
     prompt = list(range(5, 60))
+    monkeypatch.setattr(packed_linear, "MIN_WEIGHTS", 0)
     plain = plain_greedy_generate(target, prompt, 48).token_ids
     fp32 = SpeculativeEngine(target, drafter, DraftSpec.chain(3)).generate([prompt], 48)[0]
-    packed_linear.int8_weights(drafter)
-    int8 = SpeculativeEngine(target, drafter, DraftSpec.chain(3)).generate([prompt], 48)[0]
-    assert fp32.token_ids == int8.token_ids == plain
-    assert not any(getattr(m, "_int8_weights", False) for m in target.hf_model.modules())
-    assert any(_int8_packs(m) for m in drafter.modules())  # the drafter really ran on int8
-    assert abs(int8.acceptance_length - fp32.acceptance_length) <= 0.15 * fp32.acceptance_length
+    packed_linear.weight_format(drafter, fmt)
+    low = SpeculativeEngine(target, drafter, DraftSpec.chain(3)).generate([prompt], 48)[0]
+    assert fp32.token_ids == low.token_ids == plain
+    assert all(packed_linear.marked_format((m,)) == "fp32" for m in target.hf_model.modules())
+    assert any(_low_precision_packs(m, fmt) for m in drafter.modules())  # the drafter really ran on fmt
+    assert abs(low.acceptance_length - fp32.acceptance_length) <= 0.15 * fp32.acceptance_length
