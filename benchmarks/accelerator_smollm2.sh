@@ -19,7 +19,9 @@
 #        python -m vllm_moa.recipes.smollm2_accelerator --ship <that folder>
 #      Earlier runs' data: EXTRA_ARGS="--earlier vllm_moa/recipes/data/<dataset>.json.gz ... --seed <new>".
 #      A call's timeout_s must cover SECONDS_BUDGET + one generation batch (~25 s) + ~40 s of start-up,
-#      or the call is killed before $OUT is written (run 3's third call).
+#      or the call is killed before $OUT is written (run 3's third call). A later call carries nothing
+#      it is not given: without .gpu/setup.sh, export PYTHONPATH=/tmp/site first (run 4's third call).
+#      --probe-compile times the pick compiled too; on an H200 that was 10x slower (run 4): leave it off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/smollm2-accelerator
