@@ -22,8 +22,8 @@ target, whose logits decide what is accepted) run the same fused matmul on int8 
 steps read a quarter of the bytes, which is what they cost at batch 1 on a CPU. Modules marked with
 `bf16_weights(module)` run oneDNN's packed matmul on bf16 weights (inputs rounded to bf16, outputs
 and biases fp32): half the bytes, and on CPUs that multiply bf16 natively (`cpu_flags.native_bf16`)
-the fastest of the three for a drafter (a 576 x 2048 layer at 1 row, cold cache, AMD EPYC with
-avx512_bf16: 106 us against 246 us in fp32); elsewhere oneDNN emulates it. The packed copy is keyed by the modules (a weak reference: it
+faster than fp32 (a hand timing of a 576 x 2048 layer at 1 row, cold cache, AMD EPYC with
+avx512_bf16: 106 us against 246 us); elsewhere oneDNN emulates it. The packed copy is keyed by the modules (a weak reference: it
 goes when they go) and rebuilt when any weight or bias changes (an optimizer step, `.to()`,
 `load_state_dict`). It costs one extra copy of the packed weights in memory; `enabled(False)`
 turns packing off process-wide.
