@@ -20,7 +20,7 @@ training and GPUs are untouched. Modules marked with `int8_weights(module)` (a d
 target, whose logits decide what is accepted) run the same fused matmul on int8 weights instead
 (per-output-channel scales; each input row quantised on the fly; torch._int_mm): a drafter's draft
 steps read a quarter of the bytes, which is what they cost at batch 1 on a CPU. Modules marked with
-`bf16_weights(module)` run oneDNN's packed matmul on bf16 weights (inputs rounded to bf16, outputs
+`weight_format(module, "bf16")` run oneDNN's packed matmul on bf16 weights (inputs rounded to bf16, outputs
 and biases fp32): half the bytes, and on CPUs that multiply bf16 natively (`cpu_flags.native_bf16`)
 faster than fp32 (a hand timing of a 576 x 2048 layer at 1 row, cold cache, AMD EPYC with
 avx512_bf16: 106 us against 246 us); elsewhere oneDNN emulates it. The packed copy is keyed by the modules (a weak reference: it
@@ -88,11 +88,6 @@ def int8_weights(module: nn.Module, flag: bool = True) -> nn.Module:
     return weight_format(module, "int8" if flag else "fp32")
 
 
-def bf16_weights(module: nn.Module, flag: bool = True) -> nn.Module:
-    """`weight_format(module, "bf16")` (flag False: back to fp32)."""
-    return weight_format(module, "bf16" if flag else "fp32")
-
-
 def marked_format(modules: tuple[nn.Module, ...]) -> str:
     """The weight format the modules are marked with ("fp32" unless they all share one mark)."""
     formats = {getattr(m, "_weight_format", "fp32") for m in modules}
@@ -133,7 +128,6 @@ class _Pack:
         self.key = key
         self.splits = [m.out_features for m in modules]
         self.weight = self.bias = None
-        self.bf16 = bf16
         weights = [m.weight.detach() for m in modules]
         if sum(w.numel() for w in weights) < MIN_WEIGHTS or any(
                 w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
@@ -193,7 +187,7 @@ def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if fmt == "int8":
         out = pack(flat)  # [rows, sum out_i]
-    elif pack.bf16:  # bf16 in, fp32 out; the bias (fp32) added after
+    elif fmt == "bf16":  # bf16 in, fp32 out; the bias (fp32) added after
         out = _packed_op()(flat.to(torch.bfloat16), pack.weight, None, "none", [], "").float()
         out = out if pack.bias is None else out + pack.bias
     else:
