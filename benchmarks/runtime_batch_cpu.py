@@ -1,20 +1,24 @@
-"""The transformers runtime at batch 1, 4 and 16 on SmolLM2-135M-Instruct (CPU, greedy): plain
-decoding through the same batched engine (no drafter) against MoA, EAGLE-style and n-gram
-drafters, as chains of K = 3 and one small tree.
+"""The transformers runtime at batch 1 and above on SmolLM2-135M-Instruct (CPU, greedy): plain
+decoding through the same batched engine (no drafter) against MoA, lookup + MoA (hybrid),
+EAGLE-style and n-gram drafters, as chains of K = 3 and one small tree.
 
-    python -m benchmarks.runtime_batch_cpu --prompts ../shared/data/specbench/mt_bench/question.jsonl \
-        [--batches 1 4 16] [--max-new-tokens 48] [--adaptive]
+    python -m benchmarks.runtime_batch_cpu [--prompts ../shared/data/specbench/mt_bench/question.jsonl] \
+        [--batches 1 8 16] [--max-new-tokens 64] [--drafters moa-tli0 hybrid:moa-tli0 ngram] [--adaptive] \
+        [--sequential-drafting]
 
---adaptive runs every configuration a second time with SpeculativeEngine(..., adaptive=True): each
-round's depth, plain decoding included, chosen from measured costs and acceptance
-(decoding/speed_control.py); its rows also give the share of rounds it decoded plainly.
+Prompts: the shipped drafters' held-out prompts (default), or a Spec-Bench question.jsonl;
+chat-templated, batch b takes the first b (cycled if there are fewer). --adaptive runs every
+configuration a second time with SpeculativeEngine(..., adaptive=True): each round's depth,
+plain decoding included, chosen from measured costs and acceptance (decoding/speed_control.py);
+its rows also give the share of rounds it decoded plainly. Drafters whose sessions draft together
+(MoA TLI=0, alone or with lookup: decoding/drafters.propose_all) run one drafter forward per tree
+level for the whole batch; --sequential-drafting adds rows with batch_drafting=False (one
+sequence at a time, as before) for them at batch > 1.
 
-For each batch size B, B prompts (chat-templated Spec-Bench questions, cycled if there are fewer)
-run as one ragged batch: plain, then each configuration, alternately; every sequence's output is
-checked equal to plain greedy decoding. Throughput = generated tokens / wall time of the batch;
-speedup = paired time ratio against the plain run just before. Drafting still runs sequence by
-sequence inside a round (one drafter call per sequence and level), which is what this measures.
-Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png} with provenance.
+For each batch size B, B prompts run as one ragged batch: plain, then each configuration,
+alternately; every sequence's output is checked equal to plain greedy decoding. Throughput =
+generated tokens / wall time of the batch; speedup = paired time ratio against the plain runs
+just before. Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png} with provenance.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
+from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
@@ -46,31 +51,49 @@ SHAPES = {"chain K=3": DraftSpec.chain(3), "tree 3,2,4": DraftSpec.tree(3, 2, 4)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=Path, required=True, help="a Spec-Bench question.jsonl")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "eagle", "ngram"])
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="a Spec-Bench question.jsonl (default: the shipped drafters' held-out prompts)")
+    parser.add_argument("--prompt-tokens", type=int, default=192, help="keep the last N prompt tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "hybrid:moa-tli0", "ngram"],
+                        help="shipped drafter names, 'ngram', or 'hybrid:<name>' (lookup merged into its drafts)")
     parser.add_argument("--repeats", type=int, default=2, help="plain/speculative pairs per configuration")
     parser.add_argument("--adaptive", action="store_true", help="each configuration also with adaptive=True")
+    parser.add_argument("--sequential-drafting", action="store_true",
+                        help="also rows with batch_drafting=False for drafters that draft together, at batch > 1")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "runtime_batch_cpu_smollm2.json")
     args = parser.parse_args()
     prov = provenance(torch_threads=torch.get_num_threads())  # at start: the code that runs
     target_dir = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = TargetModel.from_pretrained(target_dir)
-    texts = read_prompts(args.prompts)[: max(args.batches)]  # batch b takes the first b, cycled
-    prompts = [encode_prompt(tokenizer, t) for t in texts]
-    drafters = {name: "ngram" if name == "ngram" else load_drafter(SHIPPED_SMOLLM2 / name, target).eval()
-                for name in args.drafters}
+    if args.prompts is None:
+        heldout = json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())
+        texts = [p if isinstance(p, str) else p["text"] for p in heldout]
+    else:
+        texts = read_prompts(args.prompts)
+    texts = texts[: max(args.batches)]  # batch b takes the first b, cycled
+    prompts = [encode_prompt(tokenizer, t)[-args.prompt_tokens :] for t in texts]
+    loaded = {}
+    for name in args.drafters:
+        base = name.removeprefix("hybrid:")
+        if base not in loaded:
+            loaded[base] = "ngram" if base == "ngram" else load_drafter(SHIPPED_SMOLLM2 / base, target).eval()
     plain_engine = SpeculativeEngine(target, None)
     plain_engine.generate([prompts[0]], 8)  # warm-up
     rows = []
     for batch in args.batches:
         ids = [prompts[i % len(prompts)] for i in range(batch)]
-        for name, drafter in tqdm(drafters.items(), desc=f"batch {batch}"):
-            for (shape_name, spec), adaptive in ((shape, a) for shape in SHAPES.items()
-                                                 for a in ((False, True) if args.adaptive else (False,))):
-                engine = SpeculativeEngine(target, drafter, spec, adaptive=adaptive)
+        for name in tqdm(args.drafters, desc=f"batch {batch}"):
+            drafter = loaded[name.removeprefix("hybrid:")]
+            retrieval = Retrieval() if name.startswith("hybrid:") else None
+            variants = [(a, True) for a in ((False, True) if args.adaptive else (False,))]
+            if args.sequential_drafting and batch > 1 and SpeculativeEngine(target, drafter, retrieval=retrieval).drafts_together:
+                variants.append((False, False))
+            for (shape_name, spec), (adaptive, together) in ((shape, v) for shape in SHAPES.items() for v in variants):
+                engine = SpeculativeEngine(target, drafter, spec, retrieval=retrieval, adaptive=adaptive,
+                                           batch_drafting=together)
                 shape_name = f"{shape_name}, adaptive" if adaptive else shape_name
                 engine.generate([ids[0]], 4)  # warm-up
                 plain_s = spec_s = 0.0
@@ -89,6 +112,7 @@ def main() -> None:
                 summary = summarize(results, spec_s, spec.depth)
                 rows.append({
                     "batch": batch, "drafter": name, "draft": shape_name,
+                    "drafting": "together" if engine.drafts_together else "one by one",
                     "acceptance_length": round(summary["acceptance_length"], 3),
                     "tokens_per_s": round(tokens / spec_s, 1), "plain_tokens_per_s": round(tokens / plain_s, 1),
                     "speedup": round(plain_s / spec_s, 3), "drafter_share": round(summary["drafter_share"], 3),
@@ -97,9 +121,11 @@ def main() -> None:
                 })
                 print(rows[-1])
     report = {
-        "benchmark": "runtime_batch_cpu", "target": "SmolLM2-135M-Instruct (fp32)", "prompts": str(args.prompts.parent.name),
+        "benchmark": "runtime_batch_cpu", "target": "SmolLM2-135M-Instruct (fp32)", "prompts": "heldout" if args.prompts is None else str(args.prompts.parent.name),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "decoding": "greedy, outputs checked equal to plain",
-        "drafting": "sequence by sequence within each round", "rows": rows, "provenance": prov,
+        "drafting": "'together': one drafter forward per tree level for the batch (decoding/drafters.propose_all); "
+                    "'one by one': a drafter call per sequence and level",
+        "rows": rows, "provenance": prov,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -108,19 +134,33 @@ def main() -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    keys = sorted({(r["drafter"], r["draft"]) for r in report["rows"]})
-    for drafter, draft in keys:
-        sel = [r for r in report["rows"] if r["drafter"] == drafter and r["draft"] == draft]
-        ax.plot([r["batch"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"{drafter}, {draft}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (sequences decoded together)")
-    ax.set_ylabel("speedup over plain batched decoding")
-    ax.legend(fontsize=7)
+    """Tokens/s against batch size (plain decoding: the mean of the paired plain runs) and the speedup."""
+    fig, (ax_rate, ax_speed) = plt.subplots(1, 2, figsize=(13, 4.8))
+    rows = report["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    plain = [sum(r["plain_tokens_per_s"] for r in rows if r["batch"] == b) / sum(r["batch"] == b for r in rows)
+             for b in batches]
+    ax_rate.plot(batches, plain, "s-", color="black", label="plain decoding (none)")
+    families = sorted({(r["drafter"], r["draft"].removesuffix(", adaptive")) for r in rows})
+    colors = dict(zip(families, plt.cm.tab10.colors * 3))  # one color per drafter and shape
+    for drafter, draft, drafting in sorted({(r["drafter"], r["draft"], r["drafting"]) for r in rows}):
+        sel = [r for r in rows if (r["drafter"], r["draft"], r["drafting"]) == (drafter, draft, drafting)]
+        one_by_one = drafting == "one by one" and drafter != "ngram"
+        label = f"{drafter}, {draft}" + (", one by one" if one_by_one else "")
+        style = ":" if one_by_one else "--" if "adaptive" in draft else "-"
+        for ax, key in ((ax_rate, "tokens_per_s"), (ax_speed, "speedup")):
+            ax.plot([r["batch"] for r in sel], [r[key] for r in sel], style, marker="o", label=label,
+                    color=colors[(drafter, draft.removesuffix(", adaptive"))])
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    for ax, ylabel in ((ax_rate, "tokens / s (all sequences)"), (ax_speed, "speedup over plain batched decoding")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size (sequences decoded together)")
+        ax.set_ylabel(ylabel)
+    ax_speed.legend(fontsize=6, ncol=2)
     prov = report["provenance"]
-    ax.set_title(f"SmolLM2, {report['prompts']}, greedy - {prov['cpu']}, {prov['torch_threads']} threads, "
-                 f"commit {prov['commit'][:8]}", fontsize=8)
+    fig.suptitle(f"SmolLM2, {report['prompts']} prompts x {report['max_new_tokens']} tokens, greedy - {prov['cpu']}, "
+                 f"{prov['torch_threads']} threads, commit {prov['commit'][:8]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -54,7 +54,16 @@ def _oracle(session_cls):
             self.on_truth = {}
 
         def _step(self, tokens, depths, parent_slots, visible):
-            logits = super()._step(tokens, depths, parent_slots, visible).clone()
+            return self._nudge(super()._step(tokens, depths, parent_slots, visible), tokens, depths, parent_slots,
+                               visible)
+
+        @classmethod
+        def _step_batch(cls, batch, sessions, levels):  # sessions that draft together (MoA TLI=0)
+            logits = super()._step_batch(batch, sessions, levels)
+            return [None if level is None else s._nudge(out, *level) for s, level, out in zip(sessions, levels, logits)]
+
+        def _nudge(self, logits, tokens, depths, parent_slots, visible):
+            logits = logits.clone()
             fed = visible.shape[1] - tokens.shape[0]
             for r, (token, depth, parent) in enumerate(zip(tokens.tolist(), depths, parent_slots)):
                 position = self.base + depth

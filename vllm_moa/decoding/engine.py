@@ -23,7 +23,7 @@ from torch import Tensor
 
 from vllm_moa import registry as kinds
 from vllm_moa.decoding.cache import SlotKVCache
-from vllm_moa.decoding.drafters import DraftSession
+from vllm_moa.decoding.drafters import DraftSession, accept_all, drafts_together, propose_all
 from vllm_moa.decoding.retrieval import HybridSession, Retrieval, max_extra_nodes
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.speed_control import SpeedController
@@ -122,10 +122,12 @@ class SpeculativeEngine:
     plain decoding through the same batched loop; None and "ngram" are accepted for the latter
     two) + what to draft each round (+ `retrieval`: lookup merged into a model drafter's trees,
     decoding/retrieval.py; + `adaptive`: each round's depth, plain decoding included, chosen from
-    measured costs and acceptance, decoding/speed_control.py)."""
+    measured costs and acceptance, decoding/speed_control.py; + `batch_drafting`: a batch's
+    sequences drafted together where their kind can, one drafter forward per tree level, False:
+    one sequence at a time, as at batch 1)."""
 
     def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None,
-                 retrieval: Retrieval | None = None, adaptive: bool = False) -> None:
+                 retrieval: Retrieval | None = None, adaptive: bool = False, batch_drafting: bool = True) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.drafter = kinds.as_drafter(drafter)
         kind = kinds.kind_of(self.drafter)
@@ -134,9 +136,17 @@ class SpeculativeEngine:
         if retrieval is not None and kind.model_free:
             raise ValueError(f"retrieval merges lookup into a model drafter's trees; a {kind.name} drafter has none "
                              "(n-gram lookup alone is the 'ngram' drafter)")
-        self.retrieval, self.adaptive = retrieval, adaptive
+        self.retrieval, self.adaptive, self.batch_drafting = retrieval, adaptive, batch_drafting
         config = getattr(target.hf_model, "config", None)
         self.context_window: int | None = getattr(config, "max_position_embeddings", None)
+
+    @property
+    def drafts_together(self) -> bool:
+        """Whether a batch's sequences draft together (one drafter forward per tree level) with
+        this engine's drafter (decoding/drafters.propose_all)."""
+        if not (self.drafts and self.batch_drafting):
+            return False
+        return drafts_together([_open_session(self.drafter, self.target, self.retrieval) for _ in range(2)])
 
     # -- validation: before any work ---------------------------------------------------------
     def check_request(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int],
@@ -201,6 +211,7 @@ class GenerationBatch:
     def __init__(self, engine: SpeculativeEngine, prompts, budgets, sampling, seed, eos_token_id, stop,
                  on_tokens) -> None:
         self.target, self.drafter, self.spec, self.tokenizer = engine.target, engine.drafter, engine.spec, engine.tokenizer
+        self.drafts, self.batch_drafting = engine.drafts, engine.batch_drafting
         device = self.target.device
         self._generator = make_generator(seed, device)
         self._sampling = None if sampling is None or sampling.greedy else sampling
@@ -258,24 +269,21 @@ class GenerationBatch:
         device = self.target.device
         depth = None if self.controller is None else self.controller.choose(len(seqs))
         spec = self._spec_at(depth)
-        trees, drafting = [], 0.0
-        for s in seqs:
-            t0 = time.perf_counter()
-            if s.session is None or spec is None:  # no drafter, or a plain round (the drafter lags)
-                tree = DraftTree.single(s.pending, device)
-            else:
+        t0 = time.perf_counter()
+        if not self.drafts or spec is None:  # no drafter, or a plain round (the drafter lags)
+            trees = [DraftTree.single(s.pending, device) for s in seqs]
+        else:
+            for s in seqs:
                 s.catch_up(device)
-                tree = s.session.propose(s.pending, spec, self._sampling, self._generator)
-            elapsed = time.perf_counter() - t0
-            s.result.drafter_seconds += elapsed
-            drafting += elapsed
-            trees.append(tree)
+            trees = propose_all([s.session for s in seqs], [s.pending for s in seqs], spec, self._sampling,
+                                self._generator, together=self.batch_drafting)
+        drafting = self._charge(seqs, time.perf_counter() - t0)
         t0 = time.perf_counter()
         width = cache.begin_round(max(t.size for t in trees), device)
         ids, positions, mask = verification_inputs(trees, cache.lengths, width, device)
         out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
         verifying = time.perf_counter() - t0
-        accepted = []
+        accepted, paths, nexts = [], [], []
         for row, (s, tree) in enumerate(zip(seqs, trees)):
             logits = out.logits[row, : tree.size]
             if self._sampling is None:
@@ -283,22 +291,31 @@ class GenerationBatch:
             else:
                 path, nxt = sampled_accept(tree, self._sampling.probs(logits), self._generator)
             cache.commit(row, path)
+            paths.append(path)
+            nexts.append(nxt)
             if s.session is not None and spec is None:
                 s.lag.append((s.pending, out, row))
-            elif s.session is not None:
-                t0 = time.perf_counter()
-                s.session.accept(tree, path, _rows(out, row, path))
-                elapsed = time.perf_counter() - t0
-                s.result.drafter_seconds += elapsed
-                drafting += elapsed
             s.result.target_forwards += 1
             s.result.accepted_per_forward.append(len(path))
             s.result.drafted_per_forward.append(max(tree.depths))
             accepted.append(len(path) - 1)
+        if self.drafts and spec is not None:
+            t0 = time.perf_counter()
+            verified = [_rows(out, row, path) for row, path in enumerate(paths)]
+            accept_all([s.session for s in seqs], trees, paths, verified, together=self.batch_drafting)
+            drafting += self._charge(seqs, time.perf_counter() - t0)
+        for s, tree, path, nxt in zip(seqs, trees, paths, nexts):
             s.pending = nxt
             self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
         if self.controller is not None:
             self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
+
+    @staticmethod
+    def _charge(seqs: list[_Sequence], seconds: float) -> float:
+        """The drafter's time of a round, shared out evenly among the sequences it drafted for."""
+        for s in seqs:
+            s.result.drafter_seconds += seconds / len(seqs)
+        return seconds
 
     def _spec_at(self, depth: int | None) -> DraftSpec | None:
         """What to draft at the controller's depth (None: no controller): the engine's spec, a

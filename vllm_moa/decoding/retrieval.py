@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from vllm_moa.decoding.drafters import ModelSession
+from vllm_moa.decoding.drafters import ModelSession, accept_all, propose_all
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.target import TargetOutput
@@ -124,21 +124,31 @@ class HybridSession:
 
     def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,
                 generator: torch.Generator | None = None) -> DraftTree:
+        found = self._lookup(pending, spec)
+        alone = self._alone(pending, spec, found)
+        return alone or self._merge(self.model.propose(pending, spec, sampling, generator), found, spec)
+
+    def _lookup(self, pending: int, spec: DraftSpec) -> list[list[int]]:
         options = self.retrieval
         # the longest of a few candidates: in a run, the most recent match is the shortest one
         found = continuations(self.history, pending, options.max_ngram, options.min_ngram, spec.depth,
                               4 * options.branches)
-        found = sorted(found, key=len, reverse=True)[: options.branches]  # stable: recency among equals
-        if found and len(found[0]) >= (options.alone_at or spec.depth):
-            self.model.skip_round()
-            self.rounds["retrieval"] += 1
-            return merge_branches(DraftTree.single(pending, self.model.device), found, spec.max_nodes)
-        tree = self.model.propose(pending, spec, sampling, generator)
+        return sorted(found, key=len, reverse=True)[: options.branches]  # stable: recency among equals
+
+    def _alone(self, pending: int, spec: DraftSpec, found: list[list[int]]) -> DraftTree | None:
+        """The lookup trie when a continuation is long enough to draft alone (the model skips the round)."""
+        if not found or len(found[0]) < (self.retrieval.alone_at or spec.depth):
+            return None
+        self.model.skip_round()
+        self.rounds["retrieval"] += 1
+        return merge_branches(DraftTree.single(pending, self.model.device), found, spec.max_nodes)
+
+    def _merge(self, tree: DraftTree, found: list[list[int]], spec: DraftSpec) -> DraftTree:
         if not found or tree.probs is not None:  # a sampled chain keeps its q for rejection sampling
             self.rounds["model"] += 1
             return tree
         self.rounds["merged"] += 1
-        return merge_branches(tree, found, options.extra_nodes or spec.depth)
+        return merge_branches(tree, found, self.retrieval.extra_nodes or spec.depth)
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.model.accept(tree, path, verified)
@@ -146,6 +156,32 @@ class HybridSession:
 
     def skip_round(self) -> None:
         self.model.skip_round()
+
+    # -- a batch's sequences together (drafters.propose_all / accept_all): lookup per sequence,
+    # the model for those that need it in one batch --------------------------------------------
+    def batch_key(self) -> object | None:
+        key = self.model.batch_key()
+        return None if key is None else ("hybrid", key)
+
+    @classmethod
+    def propose_batch(cls, sessions: Sequence[HybridSession], pendings: Sequence[int], spec: DraftSpec,
+                      sampling: SamplingParams | None, generator: torch.Generator | None) -> list[DraftTree]:
+        found = [s._lookup(p, spec) for s, p in zip(sessions, pendings)]
+        trees = [s._alone(p, spec, f) for s, p, f in zip(sessions, pendings, found)]
+        drafting = [i for i, tree in enumerate(trees) if tree is None]
+        if drafting:
+            drafted = propose_all([sessions[i].model for i in drafting], [pendings[i] for i in drafting], spec,
+                                  sampling, generator)
+            for i, tree in zip(drafting, drafted):
+                trees[i] = sessions[i]._merge(tree, found[i], spec)
+        return trees
+
+    @classmethod
+    def accept_batch(cls, sessions: Sequence[HybridSession], trees: Sequence[DraftTree], paths: Sequence[list[int]],
+                     verified: Sequence[TargetOutput]) -> None:
+        accept_all([s.model for s in sessions], trees, paths, verified)
+        for session, tree, path in zip(sessions, trees, paths):
+            session.history += tree.tokens[path].tolist()
 
 
 def max_extra_nodes(retrieval: Retrieval | None, spec: DraftSpec) -> int:

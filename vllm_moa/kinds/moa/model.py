@@ -260,14 +260,16 @@ class MoADrafter(Drafter):
         self.extend_rows(state, self.rows_from_kv(keys, values, final_hidden), keys[first:], values[first:])
 
     def extend_rows(self, state: MoADraftState, new_rows: Tensor, tli_keys: list[Tensor],
-                    tli_values: list[Tensor]) -> None:
+                    tli_values: list[Tensor], row_kv: tuple[Tensor, Tensor] | None = None) -> None:
         """Append n newly verified tokens as Ekv2E rows [B, n, E] (+ the target's K/V of its last TLI
         layers, TLI x [B, H_kv, n, d]): all the drafter needs from the target, so a remote client
-        can be sent just this (serving/). Drafted TLI rows are dropped."""
+        can be sent just this (serving/). Drafted TLI rows are dropped. `row_kv`: their CA keys and
+        values [B, H_kv, n, d] when already computed (batched.py, for many sequences at once)."""
         b, n, _ = new_rows.shape
-        start = state.num_verified
-        positions = torch.arange(start, start + n, device=new_rows.device).expand(b, n)
-        k, v = self.ca.row_keys_values(new_rows, positions)
+        if row_kv is None:
+            start = state.num_verified
+            row_kv = self.ca.row_keys_values(new_rows, torch.arange(start, start + n, device=new_rows.device).expand(b, n))
+        k, v = row_kv
         if state.rows is None:
             state.rows, state.row_k, state.row_v = new_rows, k, v
         else:
@@ -287,7 +289,8 @@ class MoADrafter(Drafter):
         if self.tli > 0 and start + n > state.num_verified:
             raise ValueError("feed() is for verified tokens only; use draft_step() past the last verified token")
         positions = torch.arange(start, start + n, device=input_ids.device).expand(b, n)
-        self.sa(target.embed(input_ids), positions, causal_mask_after(start, n, input_ids.device), state.sa)
+        state.sa.append(*self.sa.keys_values(target.embed(input_ids), positions))  # SA is one block: its
+        # cache of a token does not depend on what the token attends
 
     def rollback(self, state: MoADraftState, length: int) -> None:
         """Forget SA tokens from position `length` on (rejected drafts)."""

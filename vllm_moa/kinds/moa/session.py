@@ -1,13 +1,17 @@
 """MoA's drafting session in the runtime (decoding/drafters.py's DraftSession): CA rows of
-verified tokens + the SA KV cache (+ TLI caches), compacted to the accepted path."""
+verified tokens + the SA KV cache (+ TLI caches), compacted to the accepted path. Sessions of one
+TLI = 0 drafter draft and accept a batch's sequences together (batched.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from vllm_moa.decoding.drafters import ModelSession, fed_prefix, keep_index
 from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.kinds.moa import batched
 from vllm_moa.kinds.moa.model import MoADrafter
 from vllm_moa.target import TargetModel, TargetOutput
 
@@ -29,6 +33,45 @@ class MoASession(ModelSession):
     def _step(self, tokens: Tensor, depths: list[int], parent_slots: list[int], visible: Tensor) -> Tensor:
         positions = (self.base + torch.tensor(depths, device=self.device))[None]  # [1, n]
         return self.drafter.draft_step(self.state, tokens[None], self.target, positions, visible)[0]
+
+    # -- a batch's sequences together (decoding/drafters.propose_all / accept_all) ---------------
+    def batch_key(self) -> object | None:
+        return (id(self.drafter), id(self.target)) if self.drafter.tli == 0 else None
+
+    @classmethod
+    def _open_batch(cls, sessions: Sequence[MoASession]) -> batched.BatchedRound:
+        return batched.open_round([s.state for s in sessions])
+
+    @classmethod
+    def _step_batch(cls, batch: batched.BatchedRound, sessions: Sequence[MoASession],
+                    levels: list) -> list[Tensor | None]:
+        inputs = [None if level is None else
+                  (level[0], s.base + torch.tensor(level[1], device=s.device), level[3])
+                  for s, level in zip(sessions, levels)]
+        return batched.step(sessions[0].drafter, batch, sessions[0].target, inputs)
+
+    @classmethod
+    def _close_batch(cls, batch: batched.BatchedRound, sessions: Sequence[MoASession]) -> None:
+        batched.close_round(batch)
+
+    @classmethod
+    def accept_batch(cls, sessions: Sequence[MoASession], trees: Sequence[DraftTree], paths: Sequence[list[int]],
+                     verified: Sequence[TargetOutput]) -> None:
+        """accept() for many sequences: one LSA call, one CA key/value call and one SA feed of the
+        accepted nodes never fed, for all of them (TLI = 0: batch_key)."""
+        drafter, target = sessions[0].drafter, sessions[0].target
+        states = [s.state for s in sessions]
+        rows = batched.rows_for_many(drafter, list(verified))
+        row_kv = batched.row_kv_for_many(drafter, states, rows)
+        unfed = []
+        for session, tree, path, session_rows, kv in zip(sessions, trees, paths, rows, row_kv):
+            fed = fed_prefix(tree, path)
+            session.state.sa.select(keep_index(session.base, fed, session.device))
+            drafter.extend_rows(session.state, session_rows, [], [], kv)
+            if len(fed) < len(path):
+                unfed.append((session.state, tree.tokens[path[len(fed):]].to(session.device)))
+        if unfed:
+            batched.feed_many(drafter, [state for state, _ in unfed], [tokens for _, tokens in unfed], target)
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         first = len(verified.keys) - self.drafter.tli
