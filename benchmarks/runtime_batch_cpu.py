@@ -97,7 +97,7 @@ def main() -> None:
                 shape_name = f"{shape_name}, adaptive" if adaptive else shape_name
                 engine.generate([ids[0]], 4)  # warm-up
                 plain_s = spec_s = 0.0
-                results = []
+                results, ties = [], []
                 for _ in range(args.repeats):
                     started = time.perf_counter()
                     plain = plain_engine.generate(ids, args.max_new_tokens)
@@ -105,8 +105,10 @@ def main() -> None:
                     started = time.perf_counter()
                     out = engine.generate(ids, args.max_new_tokens)
                     spec_s += time.perf_counter() - started
-                    for p, o in zip(plain, out):
-                        assert o.token_ids == p.token_ids, f"{name} {shape_name} batch {batch}: output differs from plain"
+                    for prompt, p, o in zip(ids, plain, out):
+                        if o.token_ids != p.token_ids:
+                            ties.append(_float_tie(target, prompt, p.token_ids, o.token_ids,
+                                                   f"{name} {shape_name} batch {batch}"))
                     results += out
                 tokens = sum(len(r.token_ids) for r in results)
                 summary = summarize(results, spec_s, spec.depth)
@@ -118,11 +120,35 @@ def main() -> None:
                     "speedup": round(plain_s / spec_s, 3), "drafter_share": round(summary["drafter_share"], 3),
                     "plain_round_share": round(sum(d == 0 for r in results for d in r.drafted_per_forward)
                                                / max(1, sum(len(r.drafted_per_forward) for r in results)), 3),
+                    "outputs_equal_to_plain": len(results) - len(ties), "float_ties": ties,
                 })
                 print(rows[-1])
+        _write(args, rows, prov)  # after every batch size: a run cut short keeps what it measured
+
+
+TIE_MARGIN = 1e-3  # logits this close: the batched and the plain forward may order them differently
+
+
+def _float_tie(target: TargetModel, prompt: list[int], plain: list[int], spec: list[int], what: str) -> dict:
+    """Where a speculative output leaves plain decoding's: allowed only at a float tie of the
+    target's two best logits (fp32 forwards over different shapes round differently), else an error."""
+    at = next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + plain[:at]])).logits[0, -1]
+    top = logits.topk(2)
+    margin = float(top.values[0] - top.values[1])
+    if margin >= TIE_MARGIN or set(top.indices.tolist()) != {plain[at], spec[at]}:
+        raise AssertionError(f"{what}: output differs from plain at token {at} (logit margin {margin:.2e})")
+    return {"token": at, "plain": plain[at], "speculative": spec[at], "logit_margin": margin}
+
+
+def _write(args: argparse.Namespace, rows: list[dict], prov: dict) -> None:
     report = {
-        "benchmark": "runtime_batch_cpu", "target": "SmolLM2-135M-Instruct (fp32)", "prompts": "heldout" if args.prompts is None else str(args.prompts.parent.name),
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "decoding": "greedy, outputs checked equal to plain",
+        "benchmark": "runtime_batch_cpu", "target": "SmolLM2-135M-Instruct (fp32)",
+        "prompts": "heldout" if args.prompts is None else str(args.prompts.parent.name),
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "decoding": f"greedy; every output equal to plain batched decoding, or left at a float tie (the target's "
+                    f"two best logits within {TIE_MARGIN}: rows' float_ties)",
         "drafting": "'together': one drafter forward per tree level for the batch (decoding/drafters.propose_all); "
                     "'one by one': a drafter call per sequence and level",
         "rows": rows, "provenance": prov,
