@@ -4,6 +4,7 @@ K/V, cross- and self-attention, optionally the target's last TLI layers.
     config.py    MoAConfig (config.json)
     model.py     MoADrafter (training and incremental drafting), MoADraftState
     session.py   MoASession: drafting in the runtime
+    batched.py   a batch's sequences drafted in one forward per tree level (the runtime, TLI = 0)
     client.py    LocalMoA: drafting on a client, fed by the server's rows
     sync.py      server_sync: the rows (+ TLI K/V) a server sends after verification
 
