@@ -67,7 +67,7 @@ class ModelSession:
     # -- drafting many sequences at once (propose_all / accept_all) ---------------------------
     def batch_key(self) -> object | None:
         """Sessions with equal non-None keys can draft in one forward per level (`_open_batch`,
-        `_step_batch`, `_close_batch`) and accept in one call (`_accept_batch`); None: alone."""
+        `_step_batch`, `_close_batch`) and accept in one call (`accept_batch`); None: alone."""
         return None
 
     @classmethod

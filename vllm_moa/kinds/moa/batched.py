@@ -135,7 +135,7 @@ def row_kv_for_many(drafter: MoADrafter, states: list[MoADraftState],
 
 def feed_many(drafter: MoADrafter, states: list[MoADraftState], tokens: list[Tensor], target: TargetModel) -> None:
     """MoADrafter.feed for many sequences, tokens[b] [m_b] after each one's SA cache, in one call
-    (what SA caches of a token does not depend on the rest of the sequence)."""
+    (a token's SA cache entry depends only on the token and its position)."""
     device = tokens[0].device
     positions = torch.cat([torch.arange(s.sa_length, s.sa_length + t.shape[0], device=device)
                            for s, t in zip(states, tokens)])[None]

@@ -59,19 +59,13 @@ class MoASession(ModelSession):
                      verified: Sequence[TargetOutput]) -> None:
         """accept() for many sequences: one LSA call, one CA key/value call and one SA feed of the
         accepted nodes never fed, for all of them (TLI = 0: batch_key)."""
-        drafter, target = sessions[0].drafter, sessions[0].target
-        states = [s.state for s in sessions]
+        drafter = sessions[0].drafter
         rows = batched.rows_for_many(drafter, list(verified))
-        row_kv = batched.row_kv_for_many(drafter, states, rows)
-        unfed = []
-        for session, tree, path, session_rows, kv in zip(sessions, trees, paths, rows, row_kv):
-            fed = fed_prefix(tree, path)
-            session.state.sa.select(keep_index(session.base, fed, session.device))
-            drafter.extend_rows(session.state, session_rows, [], [], kv)
-            if len(fed) < len(path):
-                unfed.append((session.state, tree.tokens[path[len(fed):]].to(session.device)))
+        row_kv = batched.row_kv_for_many(drafter, [s.state for s in sessions], rows)
+        unfed = [(s.state, tokens) for s, tree, path, r, kv in zip(sessions, trees, paths, rows, row_kv)
+                 if (tokens := s._keep(tree, path, r, [], [], kv)) is not None]  # every session kept; some to feed
         if unfed:
-            batched.feed_many(drafter, [state for state, _ in unfed], [tokens for _, tokens in unfed], target)
+            batched.feed_many(drafter, [state for state, _ in unfed], [tokens for _, tokens in unfed], sessions[0].target)
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         first = len(verified.keys) - self.drafter.tli
@@ -83,8 +77,15 @@ class MoASession(ModelSession):
                     tli_values: list[Tensor]) -> None:
         """`accept` from what a server sends instead of the target's output: the accepted nodes'
         Ekv2E rows [1, n, E] (+ last-TLI-layer K/V), as in serving/."""
+        unfed = self._keep(tree, path, rows, tli_keys, tli_values)
+        if unfed is not None:
+            self.drafter.feed(self.state, unfed[None], self.target)
+
+    def _keep(self, tree: DraftTree, path: list[int], rows: Tensor, tli_keys: list[Tensor], tli_values: list[Tensor],
+              row_kv: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+        """The caches compacted to the accepted path, the accepted rows appended; returns the accepted
+        tokens SA has not run yet [m] (the last level's leaves), or None."""
         fed = fed_prefix(tree, path)
         self.state.sa.select(keep_index(self.base, fed, self.device))
-        self.drafter.extend_rows(self.state, rows, tli_keys, tli_values)  # also drops TLI drafts
-        if len(fed) < len(path):  # accepted nodes never run through SA (the last level's leaves)
-            self.drafter.feed(self.state, tree.tokens[path[len(fed):]][None].to(self.device), self.target)
+        self.drafter.extend_rows(self.state, rows, tli_keys, tli_values, row_kv)  # also drops TLI drafts
+        return tree.tokens[path[len(fed):]].to(self.device) if len(fed) < len(path) else None
