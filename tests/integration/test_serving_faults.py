@@ -100,17 +100,22 @@ def test_cuts_at_random_times_recover_exactly(world):
         with _client(world, world["drafters"][kind], random.Random(options)) as client:
             assert client.generate(prompt, 40).token_ids == expected
         span = time.monotonic() - started  # how long this generation runs here without cuts
-        before = sim.snapshot()
-        timers = [threading.Timer(rng.uniform(0.0, span), sim.cut) for _ in range(3)]
-        for timer in timers:
-            timer.start()
-        with _client(world, world["drafters"][kind], random.Random(options)) as client:
-            view = Transcript()
-            result = client.generate(prompt, 40, on_event=view.apply)
-        for timer in timers:
-            timer.join()
         context = dict(trial=trial, kind=kind)
-        _check(result, view, expected, context)
+        # A loaded machine can run the cut run faster than the timing run (or stall the timers),
+        # so all three cuts may land after it ended: such an attempt tests nothing and is redrawn.
+        for attempt in range(4):
+            before = sim.snapshot()
+            timers = [threading.Timer(rng.uniform(0.0, span / 2), sim.cut) for _ in range(3)]
+            for timer in timers:
+                timer.start()
+            with _client(world, world["drafters"][kind], random.Random(options)) as client:
+                view = Transcript()
+                result = client.generate(prompt, 40, on_event=view.apply)
+            for timer in timers:
+                timer.join()
+            _check(result, view, expected, dict(context, attempt=attempt))
+            if sim.snapshot().reset_connections > before.reset_connections:
+                break
         assert sim.snapshot().reset_connections > before.reset_connections, ("no cut hit the generation", context)
         failures += result.failures
     assert failures > 0, "no cut ever interrupted a call in flight"
