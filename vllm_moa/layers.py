@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vllm_moa.packed_linear import Linear
+from vllm_moa.packed_linear import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -28,16 +28,35 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Plain (unscaled) RoPE, rotate-half convention, as in Llama."""
 
+    TABLE_STEP = 1024  # inference reads cos/sin from a table grown in steps of this many positions
+
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._table: tuple[Tensor, Tensor] | None = None  # cos, sin [P, head_dim] fp32 (inference)
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """positions [...] -> cos, sin [..., head_dim]"""
+        if (not torch.is_grad_enabled() and positions.device.type == "cpu" and positions.numel() <= 64
+                and not torch.compiler.is_compiling()):
+            # drafting: a table lookup (the same values: the same ops on the same positions)
+            cos, sin = self._lookup_table(positions)
+            return cos.to(dtype), sin.to(dtype)
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _lookup_table(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if self._table is None or self._table[0].shape[0] < top or self._table[0].device != positions.device:
+            size = -(-max(top, 1) // self.TABLE_STEP) * self.TABLE_STEP
+            self._table = self._compute(torch.arange(size, device=positions.device), torch.float32)
+        cos, sin = self._table
+        return cos[positions], sin[positions]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -77,7 +96,8 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, width, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, self.gate_proj, self.up_proj)  # one fused matmul in CPU inference
+        return self.down_proj(F.silu(gate) * up)
 
 
 class AttentionProjections(nn.Module):
@@ -101,9 +121,18 @@ class AttentionProjections(nn.Module):
     def keys_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """[B, S, W] -> k, v [B, H_kv, S, d]"""
         b, s, _ = x.shape
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return k, v
+        k, v = linear(x, self.k_proj, self.v_proj)  # one fused matmul in CPU inference
+        return (k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2))
+
+    def queries_keys_values(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention: [B, T, W] -> q [B, H, T, d], k, v [B, H_kv, T, d] (one fused matmul in
+        CPU inference)."""
+        b, t, _ = x.shape
+        q, k, v = linear(x, self.q_proj, self.k_proj, self.v_proj)
+        return (q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2),
+                k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2),
+                v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2))
 
     def output(self, attn: Tensor) -> Tensor:
         """[B, H, T, d] -> [B, T, W]"""
@@ -156,10 +185,8 @@ class DecoderBlock(nn.Module):
     def forward(self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: KVCache | None = None) -> Tensor:
         """hidden [B, T, W] at positions [B, T]; mask [B, 1, T, T_past + T] -> [B, T, W]"""
         cos, sin = self.rotary(positions, hidden.dtype)
-        x = self.input_norm(hidden)
-        q = apply_rotary(self.attn.queries(x), cos, sin)
-        k, v = self.attn.keys_values(x)
-        k = apply_rotary(k, cos, sin)
+        q, k, v = self.attn.queries_keys_values(self.input_norm(hidden))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
         h = hidden + self.attn.output(attend(q, k, v, mask))

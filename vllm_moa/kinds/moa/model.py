@@ -87,10 +87,8 @@ class LayerSelfAttention(nn.Module):
         if num_layers != len(self.layers):
             raise ValueError(f"LSA reads {len(self.layers)} target layers, got rows of {num_layers}")
         cos, sin = self.rotary(torch.arange(num_layers, device=rows.device), rows.dtype)  # [L, d]
-        x = self.input_norm(rows)
-        q = apply_rotary(self.attn.queries(x), cos, sin)  # [N, H, L, d]
-        k, v = self.attn.keys_values(x)
-        k = apply_rotary(k, cos, sin)
+        q, k, v = self.attn.queries_keys_values(self.input_norm(rows))  # q [N, H, L, d], k, v [N, H, L, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         h = rows + self.attn.output(attend(q, k, v, None))  # no mask: every layer sees every layer
         h = h + self.mlp(self.post_norm(h))
         return self.ekv2e(h.mean(dim=1))
@@ -317,9 +315,11 @@ class MoADrafter(Drafter):
         if positions is None:
             positions = torch.arange(start, start + n, device=device).expand(b, n)
         if visible is None:
-            sa_mask = causal_mask_after(start, n, device)
+            sa_mask = causal_mask_after(start, n, device) if n > 1 else None  # one query sees every key
             drafted = torch.arange(num_rows, start + n, device=device)  # TLI rows: the chain so far
             visible = drafted[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+        elif n == 1 and bool(visible.all()):
+            sa_mask = None  # a chain's step (or a tree's first level): its one query sees every key
         else:
             sa_mask = torch.cat([torch.ones(n, num_rows, dtype=torch.bool, device=device), visible], dim=-1)[None, None]
         hidden = self.sa(target.embed(input_ids), positions, sa_mask, state.sa)
