@@ -99,14 +99,15 @@ class _Sequence:
     emitted: int = 0
     done: bool = False
     lag: list[tuple[int, TargetOutput, int]] = field(default_factory=list)  # plain rounds the drafter has not
-    # seen: (token, that round's target output, the sequence's row in it)
+    # seen: (token, that round's target output without logits, the sequence's row in it)
+    unstarted: TargetOutput | None = None  # the prompt's target output (no logits) while the session waits to start
 
     def lagged_round(self, device: torch.device) -> tuple[DraftTree, list[int], TargetOutput]:
         """The tokens of the plain rounds since the drafter last drafted, as one accepted chain of
         nodes it was never fed (tree, path, the target's output there), for accept(); the lag is
         cleared and the session told that this round was not drafted."""
         tokens = [token for token, _, _ in self.lag]
-        verified = _concat([_rows(out, row, [0]) for _, out, row in self.lag])
+        verified = _concat([_rows(out, row, [0], logits=False) for _, out, row in self.lag])
         self.lag = []
         self.session.skip_round()
         return DraftTree.chain(tokens[0], tokens[1:], device, fed=0), list(range(len(tokens))), verified
@@ -121,7 +122,8 @@ class SpeculativeEngine:
     plain decoding through the same batched loop; None and "ngram" are accepted for the latter
     two) + what to draft each round (+ `retrieval`: lookup merged into a model drafter's trees,
     decoding/retrieval.py; + `adaptive`: each round's depth, plain decoding included, chosen from
-    measured costs and acceptance, decoding/speed_control.py; + `batch_drafting`: a batch's
+    measured costs and acceptance, decoding/speed_control.py, one controller for all the engine's
+    calls, so what one call measured decides the next call's first rounds; + `batch_drafting`: a batch's
     sequences drafted together where their kind can, one drafter forward per tree level, False:
     one sequence at a time, as at batch 1)."""
 
@@ -136,6 +138,8 @@ class SpeculativeEngine:
             raise ValueError(f"retrieval merges lookup into a model drafter's trees; a {kind.name} drafter has none "
                              "(n-gram lookup alone is the 'ngram' drafter)")
         self.retrieval, self.adaptive, self.batch_drafting = retrieval, adaptive, batch_drafting
+        # adaptive: the costs (per batch size) and acceptance measured so far, kept across calls
+        self.controller: SpeedController | None = _speed_controller(self.spec) if adaptive and self.drafts else None
         config = getattr(target.hf_model, "config", None)
         self.context_window: int | None = getattr(config, "max_position_embeddings", None)
 
@@ -221,7 +225,7 @@ class GenerationBatch:
                       GenerationResult([]))
             for i, (p, budget) in enumerate(zip(prompts, budgets))
         ]
-        self.controller = _speed_controller(self.spec) if engine.adaptive and engine.drafts else None
+        self.controller = engine.controller
         self.cache = SlotKVCache(self.target.num_layers, [0] * len(self.sequences))
         with torch.no_grad():
             self._prefill(self.sequences, self.cache)
@@ -248,6 +252,8 @@ class GenerationBatch:
 
     def _prefill(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
         device = self.target.device
+        # while plain rounds are what pays at this batch size, sessions start when drafting does
+        defer = self.controller is not None and self.controller.prefers_plain(len(seqs))
         prompts = [DraftTree.chain(s.prompt[0], s.prompt[1:], device, fed=0) for s in seqs]
         width = cache.begin_round(max(t.size for t in prompts), device)
         ids, positions, mask = verification_inputs(prompts, cache.lengths, width, device)
@@ -256,7 +262,9 @@ class GenerationBatch:
             n = len(s.prompt)
             cache.commit(row, list(range(n)))
             first = self._pick(out.logits[row, n - 1 : n])
-            if s.session is not None:
+            if s.session is not None and defer:
+                s.unstarted = _rows(out, row, list(range(n)), logits=False)
+            elif s.session is not None:
                 t0 = time.perf_counter()
                 s.session.start(torch.tensor([s.prompt], device=device), _rows(out, row, list(range(n))))
                 s.result.drafter_seconds += time.perf_counter() - t0
@@ -268,14 +276,11 @@ class GenerationBatch:
         device = self.target.device
         depth = None if self.controller is None else self.controller.choose(len(seqs))
         spec = self._spec_at(depth)
-        if self.drafts and spec is not None and any(s.lag for s in seqs):
-            # the drafter first runs over the plain rounds' tokens it has not seen, in one call
-            # (a cost of those rounds, not of this round's drafting: kept out of the controller's fit)
-            t0 = time.perf_counter()
-            lagging = [s for s in seqs if s.lag]
-            trees, paths, verified = zip(*(s.lagged_round(device) for s in lagging))
-            accept_all([s.session for s in lagging], trees, paths, verified, together=self.batch_drafting)
-            self._charge(lagging, time.perf_counter() - t0)
+        if self.drafts and spec is not None and any(s.lag or s.unstarted is not None for s in seqs):
+            # the drafter first runs over the prompts and plain rounds' tokens it has not seen, in
+            # one call (a cost of those rounds, not of this round's drafting: kept out of the
+            # controller's fit)
+            self._catch_up(seqs, device)
         t0 = time.perf_counter()
         if not self.drafts or spec is None:  # no drafter, or a plain round (the drafter lags)
             trees = [DraftTree.single(s.pending, device) for s in seqs]
@@ -289,6 +294,7 @@ class GenerationBatch:
         out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
         verifying = time.perf_counter() - t0
         accepted, paths, nexts = [], [], []
+        kept = TargetOutput(out.logits[:, :0], out.hidden_states, out.keys, out.values)  # what a lagging session needs
         for row, (s, tree) in enumerate(zip(seqs, trees)):
             logits = out.logits[row, : tree.size]
             if self._sampling is None:
@@ -299,7 +305,7 @@ class GenerationBatch:
             paths.append(path)
             nexts.append(nxt)
             if s.session is not None and spec is None:
-                s.lag.append((s.pending, out, row))
+                s.lag.append((s.pending, kept, row))
             s.result.target_forwards += 1
             s.result.accepted_per_forward.append(len(path))
             s.result.drafted_per_forward.append(max(tree.depths))
@@ -314,6 +320,20 @@ class GenerationBatch:
             self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
         if self.controller is not None:
             self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
+
+    def _catch_up(self, seqs: list[_Sequence], device: torch.device) -> None:
+        for s in seqs:
+            if s.unstarted is not None:
+                t0 = time.perf_counter()
+                s.session.start(torch.tensor([s.prompt], device=device), s.unstarted)
+                s.unstarted = None
+                s.result.drafter_seconds += time.perf_counter() - t0
+        lagging = [s for s in seqs if s.lag]
+        if lagging:
+            t0 = time.perf_counter()
+            trees, paths, verified = zip(*(s.lagged_round(device) for s in lagging))
+            accept_all([s.session for s in lagging], trees, paths, verified, together=self.batch_drafting)
+            self._charge(lagging, time.perf_counter() - t0)
 
     @staticmethod
     def _charge(seqs: list[_Sequence], seconds: float) -> float:
@@ -386,11 +406,20 @@ def _concat(parts: list[TargetOutput]) -> TargetOutput:
     )
 
 
-def _rows(out: TargetOutput, row: int, nodes: list[int]) -> TargetOutput:
-    """The target's output for sequence `row` at the given nodes, each tensor [1, n, ...]."""
+def _rows(out: TargetOutput, row: int, nodes: list[int], logits: bool = True) -> TargetOutput:
+    """The target's output for sequence `row` at the given nodes, each tensor [1, n, ...] (logits
+    False: [1, 0, V], for sessions, which never read them); views where the nodes are consecutive."""
+    if nodes == list(range(nodes[0], nodes[0] + len(nodes))):
+        first, n = nodes[0], len(nodes)
+        return TargetOutput(
+            out.logits[row : row + 1, first : first + (n if logits else 0)],
+            [h[row : row + 1, first : first + n] for h in out.hidden_states],
+            [k[row : row + 1, :, first : first + n] for k in out.keys],
+            [v[row : row + 1, :, first : first + n] for v in out.values],
+        )
     index = torch.tensor(nodes, device=out.logits.device)
     return TargetOutput(
-        out.logits[row : row + 1].index_select(1, index),
+        out.logits[row : row + 1].index_select(1, index if logits else index[:0]),
         [h[row : row + 1].index_select(1, index) for h in out.hidden_states],
         [k[row : row + 1].index_select(2, index) for k in out.keys],
         [v[row : row + 1].index_select(2, index) for v in out.values],

@@ -118,6 +118,15 @@ class SpeedController:
         per_sequence = self.acceptance.expected_tokens(depth) if depth else 1.0
         return batch * per_sequence / max(1e-9, self.round_time(batch, depth))
 
+    def best_depth(self, batch: int) -> int:
+        """The depth that maximises the estimated tokens per second at `batch` sequences."""
+        return max([0, *self.depths], key=lambda k: self.tokens_per_second(batch, k))
+
+    def prefers_plain(self, batch: int) -> bool:
+        """Whether, on what was measured so far, plain rounds pay best at `batch` sequences (no
+        side effects): an engine then starts drafting sessions only when drafting resumes."""
+        return self.draft.seen and self.verify.spread and self.best_depth(batch) == 0
+
     def choose(self, batch: int) -> int:
         """The depth of the next round over `batch` sequences."""
         if not self.draft.seen:  # nothing measured yet: draft, and measure
@@ -125,7 +134,7 @@ class SpeedController:
         elif not self.verify.spread:  # a plain round's cost too, before comparing
             depth = 0
         else:
-            depth = max([0, *self.depths], key=lambda k: self.tokens_per_second(batch, k))
+            depth = self.best_depth(batch)
             if depth == 0:
                 if self.probing:  # the probe did not change the verdict: probe half as often
                     self.probe_every = min(self.max_probe_every, 2 * self.probe_every)

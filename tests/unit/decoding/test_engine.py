@@ -231,6 +231,33 @@ def test_adaptive_rounds_keep_greedy_output(target, prompts, greedy, kind, shape
     assert 0 in depths and any(d > 0 for d in depths), depths
 
 
+@pytest.mark.parametrize("kind", ["moa-tli0", "eagle", "independent"])
+def test_sessions_start_when_drafting_resumes(target, prompts, greedy, kind):
+    """The engine keeps its controller across calls: once plain rounds pay best at a batch size,
+    the next call at that size starts no drafting session at prefill. A probe later starts them
+    and catches them up in one go: right after, their caches equal a fresh session's."""
+    drafter = make_drafter(kind, target)
+    engine = SpeculativeEngine(target, drafter, SPECS["chain"], adaptive=True)
+    first = engine.start(prompts[:4], [NEW_TOKENS] * 4)
+    engine.controller.acceptance.successes = 0.0  # as if nothing was ever accepted
+    while first.step():
+        pass
+    assert engine.controller.prefers_plain(4)
+    engine.controller.probe_every, engine.controller.plain_streak = 6, 0
+    batch = engine.start(prompts[4:8], [NEW_TOKENS] * 4)
+    assert all(s.unstarted is not None and s.result.drafter_seconds == 0 for s in batch.sequences)
+    started = 0
+    while batch.step():
+        for seq in batch.active:
+            drafted = seq.result.drafted_per_forward
+            if drafted[-1] > 0 and not any(drafted[:-1]):  # the first drafted round: just started
+                assert seq.unstarted is None and seq.result.drafter_seconds > 0
+                _assert_same_caches(kind, seq.session, _fresh_session(kind, drafter, target, seq.prompt + seq.tokens[:-1]))
+                started += 1
+    assert started > 0
+    assert [r.token_ids for r in first.results + batch.results] == greedy[:8]
+
+
 @pytest.mark.parametrize("kind", ["moa-tli0", "moa-tli1", "eagle", "independent"])
 def test_adaptive_drafter_catches_up_to_a_fresh_computation(target, prompts, greedy, kind):
     """Plain rounds leave the drafter behind; the next speculative round first runs it over those
