@@ -18,7 +18,8 @@ sequence at a time, as before) for them at batch > 1.
 For each batch size B, B prompts run as one ragged batch: plain, then each configuration,
 alternately; every sequence's output is checked equal to plain greedy decoding. Throughput =
 generated tokens / wall time of the batch; speedup = paired time ratio against the plain runs
-just before. Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png} with provenance.
+just before (over all repeats; each repeat's ratio too). --control adds, per batch size, a second
+plain engine paired the same way: its "speedup" is what this machine's noise alone gives. Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png} with provenance.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
                         help="shipped drafter names, 'ngram', or 'hybrid:<name>' (lookup merged into its drafts)")
     parser.add_argument("--repeats", type=int, default=2, help="plain/speculative pairs per configuration")
     parser.add_argument("--adaptive", action="store_true", help="each configuration also with adaptive=True")
+    parser.add_argument("--control", action="store_true",
+                        help="per batch size, also a plain engine paired with plain decoding (the noise floor)")
     parser.add_argument("--sequential-drafting", action="store_true",
                         help="also rows with batch_drafting=False for drafters that draft together, at batch > 1")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "runtime_batch_cpu_smollm2.json")
@@ -85,26 +88,29 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         ids = [prompts[i % len(prompts)] for i in range(batch)]
-        for name in tqdm(args.drafters, desc=f"batch {batch}"):
-            drafter = loaded[name.removeprefix("hybrid:")]
+        for name in tqdm((["none (control)"] if args.control else []) + args.drafters, desc=f"batch {batch}"):
+            drafter = None if name == "none (control)" else loaded[name.removeprefix("hybrid:")]
             retrieval = Retrieval() if name.startswith("hybrid:") else None
-            variants = [(a, True) for a in ((False, True) if args.adaptive else (False,))]
+            variants = [(a, True) for a in ((False, True) if args.adaptive and drafter is not None else (False,))]
             if args.sequential_drafting and batch > 1 and SpeculativeEngine(target, drafter, retrieval=retrieval).drafts_together:
                 variants.append((False, False))
-            for (shape_name, spec), (adaptive, together) in ((shape, v) for shape in SHAPES.items() for v in variants):
+            shapes = SHAPES if drafter is not None else {"plain": DraftSpec.chain(1)}
+            for (shape_name, spec), (adaptive, together) in ((shape, v) for shape in shapes.items() for v in variants):
                 engine = SpeculativeEngine(target, drafter, spec, retrieval=retrieval, adaptive=adaptive,
                                            batch_drafting=together)
                 shape_name = f"{shape_name}, adaptive" if adaptive else shape_name
                 engine.generate([ids[0]], 4)  # warm-up
                 plain_s = spec_s = 0.0
-                results, ties = [], []
+                results, ties, ratios = [], [], []
                 for _ in range(args.repeats):
                     started = time.perf_counter()
                     plain = plain_engine.generate(ids, args.max_new_tokens)
-                    plain_s += time.perf_counter() - started
+                    plain_took = time.perf_counter() - started
                     started = time.perf_counter()
                     out = engine.generate(ids, args.max_new_tokens)
-                    spec_s += time.perf_counter() - started
+                    spec_took = time.perf_counter() - started
+                    plain_s, spec_s = plain_s + plain_took, spec_s + spec_took
+                    ratios.append(round(plain_took / spec_took, 3))
                     for prompt, p, o in zip(ids, plain, out):
                         if o.token_ids != p.token_ids:
                             ties.append(_float_tie(target, prompt, p.token_ids, o.token_ids,
@@ -117,7 +123,8 @@ def main() -> None:
                     "drafting": "together" if engine.drafts_together else "one by one",
                     "acceptance_length": round(summary["acceptance_length"], 3),
                     "tokens_per_s": round(tokens / spec_s, 1), "plain_tokens_per_s": round(tokens / plain_s, 1),
-                    "speedup": round(plain_s / spec_s, 3), "drafter_share": round(summary["drafter_share"], 3),
+                    "speedup": round(plain_s / spec_s, 3), "speedup_per_repeat": ratios,
+                    "drafter_share": round(summary["drafter_share"], 3),
                     "plain_round_share": round(sum(d == 0 for r in results for d in r.drafted_per_forward)
                                                / max(1, sum(len(r.drafted_per_forward) for r in results)), 3),
                     "outputs_equal_to_plain": len(results) - len(ties), "float_ties": ties,
@@ -171,7 +178,7 @@ def plot(report: dict, path: Path) -> None:
     colors = dict(zip(families, plt.cm.tab10.colors * 3))  # one color per drafter and shape
     for drafter, draft, drafting in sorted({(r["drafter"], r["draft"], r["drafting"]) for r in rows}):
         sel = [r for r in rows if (r["drafter"], r["draft"], r["drafting"]) == (drafter, draft, drafting)]
-        one_by_one = drafting == "one by one" and drafter != "ngram"
+        one_by_one = drafting == "one by one" and drafter not in ("ngram", "none (control)")
         label = f"{drafter}, {draft}" + (", one by one" if one_by_one else "")
         style = ":" if one_by_one else "--" if "adaptive" in draft else "-"
         for ax, key in ((ax_rate, "tokens_per_s"), (ax_speed, "speedup")):
