@@ -38,6 +38,12 @@ from vllm_moa.target import TargetOutput
 
 
 class DraftSession(Protocol):
+    """A sequence's drafting state. `start` takes the prompt and the target's outputs over it; a
+    session whose `starts_from_suffix` is True (optional attribute, default False) also accepts
+    outputs over only the prompt's last m tokens: its model then reads those m tokens alone, at
+    positions of its own (what it computes is relative: a shorter context, nothing shifted), and
+    lookup still reads the whole prompt."""
+
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None: ...
 
     def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,

@@ -88,6 +88,32 @@ def summarize(results: Sequence[GenerationResult], wall_seconds: float, num_posi
     }
 
 
+class _PlainRound:
+    """A plain round's target outputs (no logits), kept while some sequence's drafter lags; stacked
+    over layers on first use, once for all the batch's sequences (three tensors, not one per layer)."""
+
+    def __init__(self, out: TargetOutput) -> None:
+        self.out: TargetOutput | None = TargetOutput(_no_logits(out), out.hidden_states, out.keys, out.values)
+        self.no_logits = self.out.logits
+        self._stacked: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden states [L+1, B, 1, E], keys and values [L, B, H_kv, 1, d]"""
+        if self._stacked is None:
+            out, self.out = self.out, None
+            self._stacked = (torch.stack(out.hidden_states), torch.stack(out.keys), torch.stack(out.values))
+        return self._stacked
+
+
+def _lag_outputs(lag: list[tuple[int, _PlainRound, int]]) -> TargetOutput:
+    """One sequence's target outputs over its lagging plain rounds' tokens, each tensor [1, n, ...]."""
+    parts = [(plain.stacked(), row) for _, plain, row in lag]
+    hidden = torch.cat([h[:, row : row + 1, :1] for (h, _, _), row in parts], dim=2)  # [L+1, 1, n, E]
+    keys = torch.cat([k[:, row : row + 1, :, :1] for (_, k, _), row in parts], dim=3)  # [L, 1, H_kv, n, d]
+    values = torch.cat([v[:, row : row + 1, :, :1] for (_, _, v), row in parts], dim=3)
+    return TargetOutput(lag[0][1].no_logits, list(hidden.unbind(0)), list(keys.unbind(0)), list(values.unbind(0)))
+
+
 @dataclass
 class _Sequence:
     index: int
@@ -98,8 +124,8 @@ class _Sequence:
     pending: int = -1
     emitted: int = 0
     done: bool = False
-    lag: list[tuple[int, TargetOutput, int]] = field(default_factory=list)  # plain rounds the drafter has not
-    # seen: (token, that round's target output without logits, the sequence's row in it)
+    lag: list[tuple[int, _PlainRound, int]] = field(default_factory=list)  # plain rounds the drafter has not
+    # seen: (token, that round's target outputs, the sequence's row in it)
     unstarted: TargetOutput | None = None  # the prompt's target output (no logits) while the session waits to start
 
     def lagged_round(self, device: torch.device) -> tuple[DraftTree, list[int], TargetOutput]:
@@ -107,7 +133,7 @@ class _Sequence:
         nodes it was never fed (tree, path, the target's output there), for accept(); the lag is
         cleared and the session told that this round was not drafted."""
         tokens = [token for token, _, _ in self.lag]
-        verified = _concat([_rows(out, row, [0], logits=False) for _, out, row in self.lag])
+        verified = _lag_outputs(self.lag)
         self.lag = []
         self.session.skip_round()
         return DraftTree.chain(tokens[0], tokens[1:], device, fed=0), list(range(len(tokens))), verified
@@ -123,12 +149,16 @@ class SpeculativeEngine:
     two) + what to draft each round (+ `retrieval`: lookup merged into a model drafter's trees,
     decoding/retrieval.py; + `adaptive`: each round's depth, plain decoding included, chosen from
     measured costs and acceptance, decoding/speed_control.py, one controller for all the engine's
-    calls, so what one call measured decides the next call's first rounds; + `batch_drafting`: a batch's
+    calls, so what one call measured decides the next call's first rounds, and
+    `catch_up_window`: when drafting resumes after more plain-decoded tokens than this (prompt
+    included), a session that can start from a suffix starts afresh from the last that many
+    instead of reading them all, None: always all; + `batch_drafting`: a batch's
     sequences drafted together where their kind can, one drafter forward per tree level, False:
     one sequence at a time, as at batch 1)."""
 
     def __init__(self, target: TargetModel, drafter: DrafterArg, spec: DraftSpec | None = None, tokenizer=None,
-                 retrieval: Retrieval | None = None, adaptive: bool = False, batch_drafting: bool = True) -> None:
+                 retrieval: Retrieval | None = None, adaptive: bool = False, batch_drafting: bool = True,
+                 catch_up_window: int | None = 64) -> None:
         self.target, self.tokenizer = target, tokenizer
         self.drafter = kinds.as_drafter(drafter)
         kind = kinds.kind_of(self.drafter)
@@ -138,6 +168,9 @@ class SpeculativeEngine:
             raise ValueError(f"retrieval merges lookup into a model drafter's trees; a {kind.name} drafter has none "
                              "(n-gram lookup alone is the 'ngram' drafter)")
         self.retrieval, self.adaptive, self.batch_drafting = retrieval, adaptive, batch_drafting
+        if catch_up_window is not None and (not isinstance(catch_up_window, int) or catch_up_window < 1):
+            raise ValueError(f"catch_up_window must be a positive number of tokens or None, got {catch_up_window!r}")
+        self.catch_up_window = catch_up_window
         # adaptive: the costs (per batch size) and acceptance measured so far, kept across calls
         self.controller: SpeedController | None = _speed_controller(self.spec) if adaptive and self.drafts else None
         config = getattr(target.hf_model, "config", None)
@@ -215,6 +248,7 @@ class GenerationBatch:
                  on_tokens) -> None:
         self.target, self.drafter, self.spec, self.tokenizer = engine.target, engine.drafter, engine.spec, engine.tokenizer
         self.drafts, self.batch_drafting = engine.drafts, engine.batch_drafting
+        self.retrieval, self.catch_up_window = engine.retrieval, engine.catch_up_window
         device = self.target.device
         self._generator = make_generator(seed, device)
         self._sampling = None if sampling is None or sampling.greedy else sampling
@@ -294,7 +328,7 @@ class GenerationBatch:
         out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
         verifying = time.perf_counter() - t0
         accepted, paths, nexts = [], [], []
-        kept = TargetOutput(out.logits[:, :0], out.hidden_states, out.keys, out.values)  # what a lagging session needs
+        kept = _PlainRound(out) if spec is None and any(s.session is not None for s in seqs) else None
         for row, (s, tree) in enumerate(zip(seqs, trees)):
             logits = out.logits[row, : tree.size]
             if self._sampling is None:
@@ -322,18 +356,34 @@ class GenerationBatch:
             self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
 
     def _catch_up(self, seqs: list[_Sequence], device: torch.device) -> None:
+        window = self.catch_up_window
         for s in seqs:
-            if s.unstarted is not None:
-                t0 = time.perf_counter()
+            backlog = len(s.lag) + (len(s.prompt) if s.unstarted is not None else 0)
+            t0 = time.perf_counter()
+            if window is not None and backlog > window and getattr(s.session, "starts_from_suffix", False):
+                self._restart(s, window, device)
+            elif s.unstarted is not None:
                 s.session.start(torch.tensor([s.prompt], device=device), s.unstarted)
                 s.unstarted = None
-                s.result.drafter_seconds += time.perf_counter() - t0
+            s.result.drafter_seconds += time.perf_counter() - t0
         lagging = [s for s in seqs if s.lag]
         if lagging:
             t0 = time.perf_counter()
             trees, paths, verified = zip(*(s.lagged_round(device) for s in lagging))
             accept_all([s.session for s in lagging], trees, paths, verified, together=self.batch_drafting)
             self._charge(lagging, time.perf_counter() - t0)
+
+    def _restart(self, s: _Sequence, window: int, device: torch.device) -> None:
+        """A fresh session for `s`, started from its whole history (lookup reads it all) with the
+        target's outputs over its last `window` tokens (what its model reads): the catch-up over a
+        long backlog, bounded."""
+        history = s.prompt + s.tokens[:-1]  # what the target has run; the last token is pending
+        take = min(window, len(s.lag))
+        parts = [_last(s.unstarted, window - take)] if take < window and s.unstarted is not None else []
+        parts += [_lag_outputs(s.lag[-take:])] if take else []
+        s.session = _open_session(self.drafter, self.target, self.retrieval)
+        s.session.start(torch.tensor([history], device=device), _concat(parts))
+        s.unstarted, s.lag = None, []
 
     @staticmethod
     def _charge(seqs: list[_Sequence], seconds: float) -> float:
@@ -406,20 +456,31 @@ def _concat(parts: list[TargetOutput]) -> TargetOutput:
     )
 
 
+def _no_logits(out: TargetOutput) -> Tensor:
+    """[1, 0, V]: a tensor of its own (an empty view would keep all the logits alive)."""
+    return out.logits.new_empty((1, 0, out.logits.shape[-1]))
+
+
+def _last(out: TargetOutput, n: int) -> TargetOutput:
+    """The outputs of the last n tokens (each tensor [1, n, ...])."""
+    return TargetOutput(out.logits[:, -n:], [h[:, -n:] for h in out.hidden_states],
+                        [k[:, :, -n:] for k in out.keys], [v[:, :, -n:] for v in out.values])
+
+
 def _rows(out: TargetOutput, row: int, nodes: list[int], logits: bool = True) -> TargetOutput:
     """The target's output for sequence `row` at the given nodes, each tensor [1, n, ...] (logits
     False: [1, 0, V], for sessions, which never read them); views where the nodes are consecutive."""
     if nodes == list(range(nodes[0], nodes[0] + len(nodes))):
         first, n = nodes[0], len(nodes)
         return TargetOutput(
-            out.logits[row : row + 1, first : first + (n if logits else 0)],
+            out.logits[row : row + 1, first : first + n] if logits else _no_logits(out),
             [h[row : row + 1, first : first + n] for h in out.hidden_states],
             [k[row : row + 1, :, first : first + n] for k in out.keys],
             [v[row : row + 1, :, first : first + n] for v in out.values],
         )
     index = torch.tensor(nodes, device=out.logits.device)
     return TargetOutput(
-        out.logits[row : row + 1].index_select(1, index if logits else index[:0]),
+        out.logits[row : row + 1].index_select(1, index) if logits else _no_logits(out),
         [h[row : row + 1].index_select(1, index) for h in out.hidden_states],
         [k[row : row + 1].index_select(2, index) for k in out.keys],
         [v[row : row + 1].index_select(2, index) for v in out.values],

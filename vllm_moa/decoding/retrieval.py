@@ -118,8 +118,12 @@ class HybridSession:
         self.history: list[int] = []
         self.rounds = {"model": 0, "merged": 0, "retrieval": 0}
 
+    @property
+    def starts_from_suffix(self) -> bool:
+        return getattr(self.model, "starts_from_suffix", False)
+
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
-        self.model.start(prompt, prefill)
+        self.model.start(prompt, prefill)  # the model reads what prefill covers; lookup the whole prompt
         self.history = prompt[0].tolist()
 
     def propose(self, pending: int, spec: DraftSpec, sampling: SamplingParams | None = None,

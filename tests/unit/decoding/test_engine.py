@@ -11,6 +11,7 @@ from tiny_models import make_target, oracle_sessions
 from vllm_moa.decoding import engine as engine_module
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.retrieval import Retrieval
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree, grow_tree
 from vllm_moa.kinds.eagle import EagleDrafter, EagleDrafterConfig, EagleSession
@@ -256,6 +257,43 @@ def test_sessions_start_when_drafting_resumes(target, prompts, greedy, kind):
                 started += 1
     assert started > 0
     assert [r.token_ids for r in first.results + batch.results] == greedy[:8]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_long_backlog_restarts_the_session_from_its_last_tokens(target, prompts, greedy, hybrid):
+    """Drafting resumes after more plain-decoded tokens than catch_up_window: a fresh session
+    starts from the target's outputs over the last `window` tokens only (lookup still reads the
+    whole history). Right after, its caches equal a session started from the same outputs of the
+    whole prefix, cut to its last tokens; TLI > 0 refuses such a start; outputs stay the target's."""
+    window = 5
+    drafter = make_drafter("moa-tli0", target)
+    engine = SpeculativeEngine(target, drafter, SPECS["chain"], adaptive=True, catch_up_window=window,
+                               retrieval=Retrieval() if hybrid else None)
+    first = engine.start(prompts[:4], [NEW_TOKENS] * 4)
+    engine.controller.acceptance.successes = 0.0
+    while first.step():
+        pass
+    engine.controller.probe_every, engine.controller.plain_streak = 6, 0
+    batch = engine.start(prompts[4:8], [NEW_TOKENS] * 4)
+    restarted = 0
+    while batch.step():
+        for seq in batch.active:
+            drafted = seq.result.drafted_per_forward
+            if drafted[-1] > 0 and not any(drafted[:-1]):  # the first drafted round: just restarted
+                prefix = seq.prompt + seq.tokens[:-1]
+                session = seq.session.model if hybrid else seq.session
+                if hybrid:
+                    assert seq.session.history == prefix  # lookup reads everything
+                ids = torch.tensor([prefix])
+                fresh = MoASession(drafter, target)
+                fresh.start(ids, engine_module._last(target(ids), window + seq.result.accepted_per_forward[-1]))
+                _assert_same_caches("moa-tli0", session, fresh)
+                restarted += 1
+    assert restarted > 0
+    assert [r.token_ids for r in first.results + batch.results] == greedy[:8]
+    ids = torch.tensor([prompts[0]])
+    with pytest.raises(ValueError, match="TLI=1 MoA session starts from the whole prompt"):
+        MoASession(make_drafter("moa-tli1", target), target).start(ids, engine_module._last(target(ids), 2))
 
 
 @pytest.mark.parametrize("kind", ["moa-tli0", "moa-tli1", "eagle", "independent"])

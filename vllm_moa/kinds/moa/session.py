@@ -23,7 +23,19 @@ class MoASession(ModelSession):
         self.drafter, self.target, self.device = drafter, target, target.device
         self.state = drafter.new_state()
 
+    @property
+    def starts_from_suffix(self) -> bool:
+        """TLI = 0 only: SA and CA use relative positions, so a suffix is a shorter context (the
+        target's last layers, run at TLI > 0, need absolute positions)."""
+        return self.drafter.tli == 0
+
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
+        covered = prefill.keys[0].shape[2]  # the prompt's last `covered` tokens (all, usually)
+        if covered < prompt.shape[1]:
+            if not self.starts_from_suffix:
+                raise ValueError(f"a TLI={self.drafter.tli} MoA session starts from the whole prompt "
+                                 f"({prompt.shape[1]} tokens), got the target's outputs over {covered}")
+            prompt = prompt[:, -covered:]
         self.drafter.extend_verified(self.state, prefill.keys, prefill.values, prefill.hidden_states[-1])
         self.drafter.feed(self.state, prompt, self.target)
 

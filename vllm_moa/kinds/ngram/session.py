@@ -22,6 +22,8 @@ class NgramSession:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.history: list[int] = []
 
+    starts_from_suffix = True  # lookup reads the prompt's tokens, never the target's outputs
+
     def start(self, prompt: Tensor, prefill: TargetOutput) -> None:
         self.history = prompt[0].tolist()
 
