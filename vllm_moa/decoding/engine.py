@@ -310,11 +310,14 @@ class GenerationBatch:
         device = self.target.device
         depth = None if self.controller is None else self.controller.choose(len(seqs))
         spec = self._spec_at(depth)
+        catching_up = 0.0
         if self.drafts and spec is not None and any(s.lag or s.unstarted is not None for s in seqs):
             # the drafter first runs over the prompts and plain rounds' tokens it has not seen, in
             # one call (a cost of those rounds, not of this round's drafting: kept out of the
             # controller's fit)
+            t0 = time.perf_counter()
             self._catch_up(seqs, device)
+            catching_up = time.perf_counter() - t0
         t0 = time.perf_counter()
         if not self.drafts or spec is None:  # no drafter, or a plain round (the drafter lags)
             trees = [DraftTree.single(s.pending, device) for s in seqs]
@@ -353,7 +356,7 @@ class GenerationBatch:
             s.pending = nxt
             self._emit(s, tree.tokens[path[1:]].tolist() + [nxt])
         if self.controller is not None:
-            self.controller.observe(len(seqs), depth, verifying, drafting, accepted)
+            self.controller.observe(len(seqs), depth, verifying, drafting, accepted, catching_up)
 
     def _catch_up(self, seqs: list[_Sequence], device: torch.device) -> None:
         window = self.catch_up_window

@@ -11,10 +11,11 @@ in time
 
     t(B, K) = verify(B * (N(K) + 1)) + draft(B * K)
 
-verify: the target's forward, linear in the tokens it runs (an intercept: a forward over a few
-rows costs about what one row costs on a busy CPU, and more once the cores are saturated);
-draft: the drafter, proportional to the levels it drafts for all sequences. Both are exponentially
-weighted least-squares fits of the rounds measured so far; `a` is the maximum-likelihood rate over
+verify: the target's forward over that many tokens, from a cost table (`CostTable`: an
+exponentially weighted mean per token count measured, interpolated between them and extended
+linearly beyond; an entry forgets only through its own newer measurements, so long runs of plain
+rounds never erase what a speculative round cost); draft: the drafter, proportional to the levels
+it drafts for all sequences (an exponentially weighted least-squares fit); `a` is the maximum-likelihood rate over
 recent rounds (a round of depth K with k accepted is k successes and, if k < K, one failure) with
 a weak prior. After one speculative and one plain round, the controller picks the K that
 maximises B * E(K) / t(B, K); K = 0 is plain
@@ -22,13 +23,16 @@ decoding: the drafter does not run at all (the engine keeps the target's outputs
 and runs the drafter over all of them in one call when it drafts again). While K = 0 is
 chosen, one round in `probe_every` drafts anyway, so that acceptance and cost estimates stay
 current (a batch that shrinks, a text that turns repetitive); a probe that does not change the
-verdict doubles that interval (up to `max_probe_every`).
+verdict doubles that interval (up to `max_probe_every`). A probe also waits until the plain
+rounds since the last one took `1 / probe_budget` times what that probe cost beyond a plain round
+(its drafter's catch-up over the tokens it missed, and the round's extra time): probing costs at
+most about `probe_budget` of the time, however near the verdict is to a tie.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -68,6 +72,43 @@ class WeightedLinearFit:
         return max(0.0, mean_y + slope * (x - mean_x))
 
 
+@dataclass
+class CostTable:
+    """Measured cost per size x (a token count): an exponentially weighted mean for each x seen,
+    linear interpolation between them, the line through the two nearest beyond them (slope >= 0)."""
+
+    decay: float
+    entries: dict[float, tuple[float, float]] = field(default_factory=dict)  # x -> (weighted sum of y, weight)
+
+    def add(self, x: float, y: float) -> None:
+        total, weight = self.entries.get(x, (0.0, 0.0))
+        self.entries[x] = (self.decay * total + y, self.decay * weight + 1)
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.entries)
+
+    @property
+    def spread(self) -> bool:
+        """More than one size measured (costs can be compared across sizes)."""
+        return len(self.entries) > 1
+
+    def predict(self, x: float, default: float) -> float:
+        if not self.entries:
+            return default
+        points = sorted((size, total / weight) for size, (total, weight) in self.entries.items())
+        if len(points) == 1:
+            return points[0][1]
+        below = [p for p in points if p[0] <= x]
+        above = [p for p in points if p[0] >= x]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = points[:2] if not below else points[-2:]
+        slope = max(0.0, (y1 - y0) / (x1 - x0))
+        return max(0.0, y1 + slope * (x - x1) if below else y0 + slope * (x - x0))
+
+
 class GeometricAcceptance:
     """The per-level acceptance rate a of drafted tokens, with exponential forgetting and a prior."""
 
@@ -97,16 +138,20 @@ class SpeedController:
     sequences; `nodes(K)` is the drafted nodes per sequence at depth K."""
 
     def __init__(self, depths: list[int], nodes: Callable[[int], int], probe_every: int = 16,
-                 max_probe_every: int = 128, decay: float = 0.8) -> None:
+                 max_probe_every: int = 128, decay: float = 0.8, probe_budget: float = 0.02) -> None:
         if not depths or min(depths) < 1:
             raise ValueError(f"speculative depths must be >= 1, got {depths}")
         self.depths, self.nodes = sorted(set(depths)), nodes
         self.probe_every, self.min_probe_every, self.max_probe_every = probe_every, probe_every, max_probe_every
         self.probing = False  # the last speculative round was a probe
         self.acceptance = GeometricAcceptance(decay=decay)
-        self.verify = WeightedLinearFit(decay)
+        self.verify = CostTable(decay)
         self.draft = WeightedLinearFit(decay, proportional=True)
         self.plain_streak = 0
+        self.probe_budget = probe_budget
+        self.plain_seconds = 0.0  # plain rounds' time since the last probe
+        self.probe_cost = 0.0  # what the last probe cost beyond a plain round
+        self.measuring_probe = False  # the round chosen last is a probe: observe() prices it
         self.last_speculative = self.depths[-1]
         self.chosen: dict[int, int] = {}  # depth -> rounds (what it did, for reports)
 
@@ -140,8 +185,8 @@ class SpeedController:
                     self.probe_every = min(self.max_probe_every, 2 * self.probe_every)
                 self.probing = False
                 self.plain_streak += 1
-                if self.plain_streak >= self.probe_every:
-                    depth, self.probing = self.last_speculative, True
+                if self.plain_streak >= self.probe_every and self.plain_seconds * self.probe_budget >= self.probe_cost:
+                    depth, self.probing, self.measuring_probe = self.last_speculative, True, True
             elif not self.probing:  # speculation pays on its own estimate
                 self.probe_every = self.min_probe_every
         if depth:
@@ -150,8 +195,15 @@ class SpeedController:
         self.chosen[depth] = self.chosen.get(depth, 0) + 1
         return depth
 
-    def observe(self, batch: int, depth: int, verify_s: float, draft_s: float, accepted: list[int]) -> None:
-        """A round's measurements: its target forward and drafting times, each sequence's accepted drafts."""
+    def observe(self, batch: int, depth: int, verify_s: float, draft_s: float, accepted: list[int],
+                catch_up_s: float = 0.0) -> None:
+        """A round's measurements: its target forward and drafting times, each sequence's accepted
+        drafts, and the drafter's catch-up before it (over tokens of plain rounds)."""
+        if depth == 0:
+            self.plain_seconds += verify_s
+        elif self.measuring_probe:
+            self.probe_cost = catch_up_s + max(0.0, verify_s + draft_s - self.round_time(batch, 0))
+            self.plain_seconds, self.measuring_probe = 0.0, False
         self.verify.add(batch * (self.nodes(depth) + 1 if depth else 1), verify_s)
         if depth:
             self.draft.add(batch * depth, draft_s)

@@ -244,7 +244,7 @@ def test_sessions_start_when_drafting_resumes(target, prompts, greedy, kind):
     while first.step():
         pass
     assert engine.controller.prefers_plain(4)
-    engine.controller.probe_every, engine.controller.plain_streak = 6, 0
+    engine.controller.probe_every, engine.controller.plain_streak, engine.controller.probe_cost = 6, 0, 0.0
     batch = engine.start(prompts[4:8], [NEW_TOKENS] * 4)
     assert all(s.unstarted is not None and s.result.drafter_seconds == 0 for s in batch.sequences)
     started = 0
@@ -273,7 +273,7 @@ def test_a_long_backlog_restarts_the_session_from_its_last_tokens(target, prompt
     engine.controller.acceptance.successes = 0.0
     while first.step():
         pass
-    engine.controller.probe_every, engine.controller.plain_streak = 6, 0
+    engine.controller.probe_every, engine.controller.plain_streak, engine.controller.probe_cost = 6, 0, 0.0
     batch = engine.start(prompts[4:8], [NEW_TOKENS] * 4)
     restarted = 0
     while batch.step():

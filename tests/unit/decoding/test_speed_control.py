@@ -33,8 +33,35 @@ def test_speculates_where_verification_is_nearly_free_and_turns_off_where_it_is_
     chosen = simulate(16, compute_bound, 0.004, rate=0.3)
     plain = chosen.get(0, 0)
     assert plain > 0.95 * 300, chosen
-    # it keeps probing: after 16 plain rounds, then 32, 64, 128 (each probe that changes nothing doubles it)
-    assert 3 <= sum(chosen.values()) - plain <= 8, chosen
+    # it keeps probing: after 16 plain rounds, then once plain rounds have taken 50x what that probe
+    # cost beyond a plain round (a 2% budget; here about 350 rounds)
+    assert sum(chosen.values()) - plain == 2, chosen
+    chosen = simulate(16, compute_bound, 0.004, rate=0.3, rounds=1200)
+    assert 3 <= sum(chosen.values()) - chosen.get(0, 0) <= 5, chosen
+
+
+def _probe_rounds(probe_budget: float, rounds: int = 1600) -> list[int]:
+    """Rounds at batch 16 where speculation does not pay; each probe's catch-up costs as much as
+    10 plain rounds: the rounds that probed."""
+    verify = lambda tokens: 0.01 + 0.004 * tokens  # noqa: E731 (a large batch: every token costs)
+    controller = SpeedController([1, 2, 3, 4], nodes=lambda k: k, max_probe_every=16, probe_budget=probe_budget)
+    probes = []
+    for i in range(rounds):
+        depth = controller.choose(16)
+        catch_up = 10 * verify(16) if depth and i > 0 else 0.0  # the first round has nothing to catch up
+        controller.observe(16, depth, verify(16 * (depth + 1 if depth else 1)), 0.001 * 16 * depth, [0] * 16,
+                           catch_up)
+        if depth and i > 0:
+            probes.append(i)
+    return probes
+
+
+def test_probes_wait_until_plain_rounds_have_paid_for_the_last_one():
+    """With a budget of 2%, a probe that cost 10 plain rounds is followed by the next one only
+    after 500 plain rounds' time, although probe_every (16) allows one every 16 rounds."""
+    probes = _probe_rounds(0.02)
+    assert len(probes) >= 2 and min(b - a for a, b in zip(probes, probes[1:])) >= 500, probes
+    assert len(_probe_rounds(1e9)) >= 50  # without the budget: every 16 rounds or so
 
 
 def test_acceptance_decides_at_equal_costs():
