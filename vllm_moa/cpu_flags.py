@@ -8,6 +8,7 @@ from functools import cache
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # native bf16 matrix arithmetic
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products into int32 (VNNI)
 
 
 @cache
@@ -28,6 +29,11 @@ def native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 
 
+def native_int8_dot() -> bool:
+    """Whether the CPU accumulates int8 dot products into int32 in one instruction (VNNI or AMX)."""
+    return any(flag in cpu_flags() for flag in INT8_DOT_FLAGS)
+
+
 def isa_summary() -> dict[str, bool]:
     """The flags that choose code paths here, for results files' provenance."""
-    return {flag: flag in cpu_flags() for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")}
+    return {flag: flag in cpu_flags() for flag in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_tile")}

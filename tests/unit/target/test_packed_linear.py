@@ -125,9 +125,15 @@ def _low_precision_packs(module, fmt: str) -> int:
                for p in packs)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-int_mm", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt):
+def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt, monkeypatch):
+    """int8 runs fbgemm's dynamic linear on x86 builds; "int8-int_mm" the fallback (torch._int_mm)."""
+    if fmt == "int8":
+        assert packed_linear.fbgemm_available() == ("x86" in torch.backends.quantized.supported_engines)
+    fmt, _, backend = fmt.partition("-")
+    if backend == "int_mm":
+        monkeypatch.setattr(packed_linear, "fbgemm_available", lambda: False)
     q, k, v = _modules((576, 576), (576, 192), (576, 192), bias=True)
     x = torch.randn(rows, 576)
     with torch.no_grad():
@@ -136,6 +142,9 @@ def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt
             packed_linear.weight_format(m, fmt)
         got = linear(x, q, k, v)
     assert _low_precision_packs(q, fmt) == 1
+    if fmt == "int8":
+        (pack,) = packed_linear._packs[q].values()
+        assert (pack.fbgemm is None) == (backend == "int_mm" or not packed_linear.fbgemm_available())
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == torch.float32
         error = (g - w).norm() / w.norm()
