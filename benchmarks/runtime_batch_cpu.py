@@ -42,6 +42,7 @@ from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
 from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.packed_linear import weight_format  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "hybrid:moa-tli0", "ngram"],
-                        help="shipped drafter names, 'ngram', or 'hybrid:<name>' (lookup merged into its drafts)")
+                        help="shipped drafter names, 'ngram', 'hybrid:<name>' (lookup merged into its drafts), "
+                             "'int8:<name>' / 'bf16:<name>' (also 'hybrid:int8:<name>'): on int8 / bf16 weights")
     parser.add_argument("--repeats", type=int, default=2, help="plain/speculative pairs per configuration")
     parser.add_argument("--adaptive", action="store_true", help="each configuration also with adaptive=True")
     parser.add_argument("--control", action="store_true",
@@ -80,9 +82,12 @@ def main() -> None:
     prompts = [encode_prompt(tokenizer, t)[-args.prompt_tokens :] for t in texts]
     loaded = {}
     for name in args.drafters:
-        base = name.removeprefix("hybrid:")
+        base = name.removeprefix("hybrid:")  # "int8:moa-tli0": that drafter on int8 weights
         if base not in loaded:
-            loaded[base] = "ngram" if base == "ngram" else load_drafter(SHIPPED_SMOLLM2 / base, target).eval()
+            fmt, _, shipped = base.rpartition(":")
+            loaded[base] = "ngram" if base == "ngram" else load_drafter(SHIPPED_SMOLLM2 / shipped, target).eval()
+            if fmt:
+                weight_format(loaded[base], fmt)
     plain_engine = SpeculativeEngine(target, None)
     plain_engine.generate([prompts[0]], 8)  # warm-up
     rows = []
