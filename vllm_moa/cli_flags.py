@@ -50,3 +50,11 @@ def model_values(model: type[BaseModel], options: dict[str, Any]) -> dict[str, A
     """The field values among a command's keyword arguments (flag names mapped back to fields)."""
     return {name: options[flag_name(name, field)] for name, field in model.model_fields.items()
             if flag_name(name, field) in options}
+
+
+def drafter_weights_option() -> Any:
+    """--drafter-weights, for every command that drafts on this machine (values checked by
+    models.load_named against packed_linear.DRAFTER_WEIGHTS)."""
+    return typer.Option("auto", help="The drafter's weights in CPU inference: auto (int8 where PyTorch's x86 int8 "
+                                     "kernels exist, else bf16 on CPUs that multiply it natively, else fp32) | fp32 | "
+                                     "bf16 | int8. Outputs never change; drafts (acceptance) barely.")

@@ -47,7 +47,8 @@ def demo_models(drafter: str = "moa-tli0", target: str = "stdlib") -> tuple[Path
 
 
 def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: str | None = None,
-             drafter: str = "moa-tli0", repeats: int = 3, target: str = "smollm2") -> dict:
+             drafter: str = "moa-tli0", repeats: int = 3, target: str = "smollm2",
+             drafter_weights: str = "auto") -> dict:
     """Generate with MoA speculative decoding (default: decoding.tree.DEFAULT_TREE, an EAGLE-2 tree) and with
     plain decoding; return what was measured."""
     from transformers import AutoTokenizer
@@ -56,15 +57,17 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
     from vllm_moa.decoding.engine import SpeculativeEngine
     from vllm_moa.decoding.tree import DEFAULT_TREE
     from vllm_moa.kinds.moa import MoADrafter
+    from vllm_moa.packed_linear import check_drafter_weights, marked_format, weight_format
     from vllm_moa.target import TargetModel
     from vllm_moa.training.data import encode_prompt
 
+    check_drafter_weights(drafter_weights, "--drafter-weights")  # refused before anything loads
     target_name = target
     target_dir, drafter_dir, prompts = demo_models(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = TargetModel.from_pretrained(target_dir)
     target.name = json.loads((drafter_dir / "config.json").read_text())["target"]["name"]
-    model = MoADrafter.from_pretrained(drafter_dir, target).eval()
+    model = weight_format(MoADrafter.from_pretrained(drafter_dir, target).eval(), drafter_weights)
     spec = spec or DEFAULT_TREE
     prompt = prompt if prompt is not None else prompts[0]
     # the instruct target answers through its chat template; the stdlib target continues code
@@ -90,6 +93,7 @@ def run_demo(max_new_tokens: int = 128, spec: DraftSpec | None = None, prompt: s
         "acceptance_length": best.acceptance_length,
         "draft": spec.describe(),
         "drafter": drafter,
+        "drafter_weights": marked_format((model,)),
         "target": target_name,
         "speculative_tokens_per_s": best.tokens_per_second,
         "plain_tokens_per_s": plain.tokens_per_second,

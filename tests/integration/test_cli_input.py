@@ -42,8 +42,11 @@ def _refused(run, *words):
     (["generate", "--prompt", "x", "--num-draft", "0"], ["--num-draft must be >= 1"]),
     (["demo", "--chain", "0"], ["--chain must be >= 1"]),
     (["client", "--prompt", "x", "--temperature", "inf", "--url", "http://127.0.0.1:9"], ["temperature"]),
+    (["generate", "--prompt", "x", "--drafter-weights", "fp8"], ["--drafter-weights 'fp8'", "auto, fp32, bf16, int8"]),
+    (["demo", "--target", "stdlib", "--drafter-weights", "int4"], ["--drafter-weights 'int4'"]),
+    (["client", "--prompt", "x", "--drafter-weights", "q8", "--url", "http://127.0.0.1:9"], ["--drafter-weights 'q8'"]),
 ], ids=["inf", "huge", "nan", "max-prompts-negative", "max-prompts-zero", "tree-depth", "tree-top-k", "num-draft",
-        "demo-chain", "client-temperature"])
+        "demo-chain", "client-temperature", "generate-weights", "demo-weights", "client-weights"])
 def test_bad_options_are_refused_naming_the_option(args, words):
     _refused(_run(*args), *words)
 

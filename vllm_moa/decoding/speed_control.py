@@ -16,8 +16,11 @@ exponentially weighted mean per token count measured, interpolated between them 
 linearly beyond; an entry forgets only through its own newer measurements, so long runs of plain
 rounds never erase what a speculative round cost); draft: the drafter, proportional to the levels
 it drafts for all sequences (an exponentially weighted least-squares fit); `a` is the maximum-likelihood rate over
-recent rounds (a round of depth K with k accepted is k successes and, if k < K, one failure) with
-a weak prior. After one speculative and one plain round, the controller picks the K that
+recent drafted tokens (a round of depth K with k accepted is k successes and, if k < K, one
+failure; each round's trials, over all its sequences, fade the past by exp(-trials /
+memory_trials): about the last 128 trials count, whatever the batch size) with a weak prior. A
+short memory is biased near a tie: a low run of estimates turns drafting off, and plain rounds
+bring no data to correct it until the next probe. After one speculative and one plain round, the controller picks the K that
 maximises B * E(K) / t(B, K); K = 0 is plain
 decoding: the drafter does not run at all (the engine keeps the target's outputs of those tokens
 and runs the drafter over all of them in one call when it drafts again). While K = 0 is
@@ -31,6 +34,7 @@ most about `probe_budget` of the time, however near the verdict is to a tie.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -110,22 +114,29 @@ class CostTable:
 
 
 class GeometricAcceptance:
-    """The per-level acceptance rate a of drafted tokens, with exponential forgetting and a prior."""
+    """The per-level acceptance rate a of drafted tokens, with exponential forgetting and a prior:
+    by `decay` per round, or (`memory_trials`) by exp(-n / memory_trials) for a round of n trials,
+    so that a batch's round of many sequences weighs as much as as many rounds of one."""
 
-    def __init__(self, prior_rate: float = 0.6, prior_weight: float = 4.0, decay: float = 0.9) -> None:
-        self.decay = decay
+    def __init__(self, prior_rate: float = 0.6, prior_weight: float = 4.0, decay: float = 0.9,
+                 memory_trials: float | None = None) -> None:
+        self.decay, self.memory_trials = decay, memory_trials
         self.successes, self.trials = prior_rate * prior_weight, prior_weight
 
     @property
     def rate(self) -> float:
         return min(0.99, max(0.01, self.successes / self.trials))
 
-    def observe(self, depth: int, accepted: int) -> None:
+    def observe(self, depth: int, accepted: int | list[int]) -> None:
+        """One round's accepted drafts: of one sequence, or of each sequence of a batch (forgetting
+        applies once per round, so a batch's round is not forgotten within itself)."""
         if depth <= 0:
             return
-        d = self.decay
-        self.successes = d * self.successes + accepted
-        self.trials = d * self.trials + accepted + (1 if accepted < depth else 0)
+        counts = [accepted] if isinstance(accepted, int) else accepted
+        trials = sum(k + (1 if k < depth else 0) for k in counts)
+        d = self.decay if self.memory_trials is None else math.exp(-trials / self.memory_trials)
+        self.successes = d * self.successes + sum(counts)
+        self.trials = d * self.trials + trials
 
     def expected_tokens(self, depth: int) -> float:
         """E(depth): accepted drafts + the target's own token, per sequence and round."""
@@ -138,13 +149,14 @@ class SpeedController:
     sequences; `nodes(K)` is the drafted nodes per sequence at depth K."""
 
     def __init__(self, depths: list[int], nodes: Callable[[int], int], probe_every: int = 16,
-                 max_probe_every: int = 128, decay: float = 0.8, probe_budget: float = 0.02) -> None:
+                 max_probe_every: int = 128, decay: float = 0.8, probe_budget: float = 0.02,
+                 memory_trials: float = 128.0) -> None:
         if not depths or min(depths) < 1:
             raise ValueError(f"speculative depths must be >= 1, got {depths}")
         self.depths, self.nodes = sorted(set(depths)), nodes
         self.probe_every, self.min_probe_every, self.max_probe_every = probe_every, probe_every, max_probe_every
         self.probing = False  # the last speculative round was a probe
-        self.acceptance = GeometricAcceptance(decay=decay)
+        self.acceptance = GeometricAcceptance(memory_trials=memory_trials)
         self.verify = CostTable(decay)
         self.draft = WeightedLinearFit(decay, proportional=True)
         self.plain_streak = 0
@@ -207,5 +219,4 @@ class SpeedController:
         self.verify.add(batch * (self.nodes(depth) + 1 if depth else 1), verify_s)
         if depth:
             self.draft.add(batch * depth, draft_s)
-            for k in accepted:
-                self.acceptance.observe(depth, k)
+            self.acceptance.observe(depth, accepted)

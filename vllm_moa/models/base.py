@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from vllm_moa import registry
 from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError, read_drafter_config
-from vllm_moa.packed_linear import linear
+from vllm_moa.packed_linear import check_drafter_weights, linear, weight_format
 from vllm_moa.shipped import drafter_directory
 
 if TYPE_CHECKING:
@@ -186,10 +186,13 @@ def load_drafter(directory: str | Path, target: TargetModel | None = None,
     return registry.for_config(config.model_type).drafter_class.from_pretrained(directory, target, strict_fingerprint)
 
 
-def load_named(drafter: str | Path | None, target: TargetModel | None) -> registry.AnyDrafter:
+def load_named(drafter: str | Path | None, target: TargetModel | None,
+               weights: str = "fp32") -> registry.AnyDrafter:
     """What a user names on the command line or in the API: a model-free kind's name, None, a
-    shipped drafter's name or a drafter directory (loaded against `target`, in eval mode)."""
+    shipped drafter's name or a drafter directory (loaded against `target`, in eval mode, its
+    linears on `weights` in CPU inference: packed_linear.DRAFTER_WEIGHTS)."""
+    check_drafter_weights(weights)  # refused before anything loads
     if drafter is None or (isinstance(drafter, str) and drafter in registry.names(lambda kind: kind.model_free)):
         return registry.as_drafter(drafter)
-    return load_drafter(drafter_directory(drafter), target).eval()
+    return weight_format(load_drafter(drafter_directory(drafter), target).eval(), weights)
 

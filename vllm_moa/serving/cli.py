@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from vllm_moa.cli_flags import model_values, with_model_flags
+from vllm_moa.cli_flags import drafter_weights_option, model_values, with_model_flags
 from vllm_moa.serving.protocol import ServerLimits
 
 
@@ -131,6 +131,7 @@ def client(
     token_env: str = typer.Option("VLLM_MOA_TOKEN", help="Environment variable holding the bearer token."),
     json_output: bool = typer.Option(False, "--json", help="Print the result and its metrics as JSON."),
     threads: int = typer.Option(0, help="torch CPU threads (0 = torch's default; 1 next to a local server)."),
+    drafter_weights: str = drafter_weights_option(),
 ) -> None:
     """Generate with a local drafter against a verification server; drafts on alone offline.
 
@@ -142,6 +143,7 @@ def client(
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
     from vllm_moa.models import load_named
+    from vllm_moa.packed_linear import check_drafter_weights
     from vllm_moa.serving.client import (
         ProtocolError,
         RemoteDraftingClient,
@@ -155,6 +157,7 @@ def client(
     try:
         _set_threads(threads)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        check_drafter_weights(drafter_weights, "--drafter-weights")  # before any model loads
         target_dir = target or SHIPPED / "target"
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         local_target = None
@@ -162,7 +165,7 @@ def client(
             local_target = TargetModel.from_pretrained(target_dir)
             if target is None:
                 local_target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-        model = load_named(None if drafter == "api" else drafter, local_target)
+        model = load_named(None if drafter == "api" else drafter, local_target, drafter_weights)
         prompt_ids = tokenizer(prompt)["input_ids"]
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,

@@ -73,3 +73,38 @@ def test_acceptance_decides_at_equal_costs():
 def test_bad_depths_are_refused():
     with pytest.raises(ValueError, match="depths must be >= 1"):
         SpeedController([0, 2], nodes=lambda k: k)
+
+
+def test_one_bad_batch_round_does_not_erase_what_many_rounds_measured():
+    """Acceptance forgets by trials, not by sequences: after 50 rounds at about 0.9, one round of
+    8 sequences that all rejected their first token is 8 trials among the last ~128 (a decay per
+    sequence forgot the history 8 times within that round, and the estimate fell below 0.3)."""
+    controller = SpeedController([3], nodes=lambda k: k)
+    rng = random.Random(0)
+    for _ in range(50):
+        controller.observe(8, 3, 0.1, 0.01, [sum(1 for _ in range(3) if rng.random() < 0.9) for _ in range(8)])
+    before = controller.acceptance.rate
+    controller.observe(8, 3, 0.1, 0.01, [0] * 8)
+    assert before > 0.8 and controller.acceptance.rate > before - 0.1, (before, controller.acceptance.rate)
+
+
+def test_near_a_tie_a_batch_keeps_drafting_where_drafting_pays():
+    """Batch 8, depth 1 pays about 8% over plain decoding (acceptance 0.7): noisy estimates must
+    not turn drafting off for good (plain rounds bring no data to correct a low estimate)."""
+    verify = lambda tokens: 0.02 + 0.001 * tokens  # noqa: E731
+    drafted = []
+    for seed in range(6):
+        rng = random.Random(seed)
+        controller = SpeedController([1, 2, 3], nodes=lambda k: k)
+        for _ in range(1000):
+            depth = controller.choose(8)
+            accepted = []
+            for _ in range(8):
+                k = 0
+                while k < depth and rng.random() < 0.7:
+                    k += 1
+                accepted.append(k)
+            controller.observe(8, depth, verify(8 * (depth + 1 if depth else 1)) * rng.uniform(0.9, 1.1),
+                               0.001 * 8 * depth, accepted)
+        drafted.append(1 - controller.chosen.get(0, 0) / 1000)
+    assert min(drafted) > 0.8, drafted

@@ -185,3 +185,14 @@ def test_a_low_precision_drafter_changes_drafts_never_outputs(fmt, monkeypatch):
     assert all(packed_linear.marked_format((m,)) == "fp32" for m in target.hf_model.modules())
     assert any(_low_precision_packs(m, fmt) for m in drafter.modules())  # the drafter really ran on fmt
     assert abs(low.acceptance_length - fp32.acceptance_length) <= 0.15 * fp32.acceptance_length
+
+
+def test_auto_weights_are_the_fastest_format_this_machine_runs():
+    from vllm_moa.cpu_flags import native_bf16
+
+    expected = "int8" if packed_linear.fbgemm_available() else "bf16" if native_bf16() else "fp32"
+    (m,) = _modules((576, 576))
+    packed_linear.weight_format(m, "auto")
+    assert packed_linear.marked_format((m,)) == packed_linear.fastest_format() == expected
+    with pytest.raises(ValueError, match="drafter weights 'fp16': expected one of auto, fp32, bf16, int8"):
+        packed_linear.check_drafter_weights("fp16")
