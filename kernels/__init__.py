@@ -18,10 +18,13 @@ Tree attention over a paged KV cache (kernels/tree.py)
     tree_attention_triton(...)      the Triton kernel
     tree_attention_reference(...)   the twin: dense boolean mask + F.scaled_dot_product_attention
     tree_ancestor_masks(parents, cu_seqlens) -> int64 [T]
+    plan_tree_attention(block_tables, prefix_lens, cu_seqlens_q, ancestor_masks, block_size)
+    tree_attention_planned(q, kv_cache, plan, layout=, sm_scale=) -> [T, H, d]
+                                    CPU: what a step's layers share read once (kernels/tree_cpu.py)
     Called by draft-tree verification inside vLLM's engine (vllm_moa/integration/tree.py,
-    CPU_ATTN: the twin; GPU backends are refused until the Triton path is tested on a GPU).
+    CPU_ATTN: the planned CPU path; GPU backends are refused until the Triton path is tested on a GPU).
 Paged caches (kernels/paged.py; the layout is documented there)
-    split_kv_cache, gather_slots, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,
+    split_kv_cache, gather_slots, gather_blocks, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,
     PagedLayers
 Backend
     use_triton(device=None, backend=None) -> bool, kernel_backend(), HAS_TRITON
@@ -34,6 +37,7 @@ from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
 from .paged import (
     LAYOUTS,
     PagedLayers,
+    gather_blocks,
     gather_layer_rows,
     gather_slots,
     new_kv_cache,
@@ -47,6 +51,11 @@ from .tree import (
     tree_attention_paged,
     tree_attention_reference,
     tree_attention_triton,
+)
+from .tree_cpu import (
+    TreeAttentionPlan,
+    plan_tree_attention,
+    tree_attention_planned,
 )
 
 __all__ = [
@@ -69,6 +78,10 @@ __all__ = [
     "tree_ancestor_masks",
     "tree_attention_paged",
     "tree_attention_reference",
+    "TreeAttentionPlan",
+    "plan_tree_attention",
+    "tree_attention_planned",
+    "gather_blocks",
     "tree_attention_triton",
     "use_triton",
     "write_slots",

@@ -13,7 +13,8 @@ Layout (per target attention layer; one tensor per layer, as vLLM binds ``layer.
 or any callable ``layout(kv_cache) -> (k, v)`` that returns two strided views
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` -- vLLM 0.26.0 packs K and V as
 ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, read by
-``vllm_moa.integration.compat.packed_kv_layout``. Only strides are used, so caches that vLLM
+``vllm_moa.integration.compat.packed_kv_layout`` (a callable reads a cache whose first dimension
+is the block: ``gather_blocks`` copies blocks out along it). Only strides are used, so caches that vLLM
 allocates in another physical order and permutes back to the logical shape (``HND`` stride
 orders) work unchanged. Verify the layout against the installed vLLM's
 ``AttentionBackend.get_kv_cache_shape`` before relying on it; fp8 KV caches are not supported.
@@ -112,6 +113,14 @@ def gather_slots(kv_cache: Tensor, slots: Tensor, layout: Layout = "flash_attn")
     slots = slots.long()
     blk, off = slots // block_size, slots % block_size
     return kc[blk, off], vc[blk, off]
+
+
+def gather_blocks(kv_cache: Tensor, blocks: Tensor, layout: Layout = "flash_attn") -> tuple[Tensor, Tensor]:
+    """Copy whole blocks out of one layer's cache in one index_select: blocks [nb] -> k, v
+    [nb, block_size, num_kv_heads, head_dim], views of the copy in the cache's own layout. A callable
+    layout must read caches whose first dimension is the block (vLLM's packed CPU and GPU ones do)."""
+    raw = kv_cache.index_select(1 if layout == "flash_attn" else 0, blocks.long())
+    return split_kv_cache(raw, layout)
 
 
 def layer_caches(caches: Sequence[Tensor] | Tensor) -> list[Tensor]:

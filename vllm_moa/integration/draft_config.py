@@ -9,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm_moa import envs
 from vllm_moa.config import DrafterConfigError, read_drafter_config
 from vllm_moa.integration import compat
 from vllm_moa.integration.signature import signature_from_hf_config
 from vllm_moa.integration.tensor_parallel import tensor_parallel_refusal
 from vllm_moa.kinds.moa import MoAConfig
+from vllm_moa.packed_linear import check_drafter_weights
 
 # The drafter keeps no position table (RoPE), so its own length limit never binds; vLLM takes
 # min(this, the target's max_model_len).
@@ -96,6 +98,10 @@ def check_moa_drafter(
 
     check_parallel_setup(config, target_hf_config, tensor_parallel_size, pipeline_parallel_size,
                          draft_tensor_parallel_size)
+    try:  # read again by the worker (integration/model.py): refused here, before any engine starts
+        check_drafter_weights(envs.VLLM_MOA_DRAFTER_WEIGHTS, "VLLM_MOA_DRAFTER_WEIGHTS")
+    except ValueError as err:
+        raise UnsupportedMoASetup(str(err)) from None
     window = getattr(target_hf_config, "sliding_window", None)
     if getattr(target_hf_config, "use_sliding_window", True) and window and \
             window < getattr(target_hf_config, "max_position_embeddings", 0):

@@ -49,6 +49,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
+from vllm_moa import envs
 from vllm_moa.config import DrafterConfigError
 from vllm_moa.integration import tensor_parallel
 from vllm_moa.kernels import lsa_attention
@@ -56,6 +57,7 @@ from vllm_moa.kernels.paged import gather_layer_rows, gather_slots, split_kv_cac
 from vllm_moa.kernels.paged import slot_mapping as paged_slots
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.kinds.moa.model import LayerSelfAttention
+from vllm_moa.packed_linear import check_drafter_weights, linear, weight_format
 
 AttentionFactory = Callable[..., nn.Module]
 
@@ -245,7 +247,10 @@ class MoADraftModel(nn.Module):
         super().__init__()
         self.config = config = draft_hf_config(vllm_config)
         self.model = MoADraftStack(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), attention=attention)
-        self.lsa = LayerSelfAttention(config)
+        # the head rows and LSA run through packed_linear, on VLLM_MOA_DRAFTER_WEIGHTS in CPU
+        # inference (drafts change a little, outputs never: the target is untouched)
+        self.weight_format = check_drafter_weights(envs.VLLM_MOA_DRAFTER_WEIGHTS, "VLLM_MOA_DRAFTER_WEIGHTS")
+        self.lsa = weight_format(LayerSelfAttention(config), self.weight_format)
         self.lm_head: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
         self.logits_processor = LogitsProcessor(config.target_signature.vocab_size)
         # a reduced draft vocabulary (config draft_vocab_size > 0): [N] target ids, from the checkpoint
@@ -254,7 +259,7 @@ class MoADraftModel(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self._draft_vocab_rows: tuple[tuple[int, int, int], Tensor] | None = None  # (weights' key, [N, E])
+        self._draft_vocab_rows: tuple[tuple[int, int, int], nn.Linear] | None = None  # (weights' key, [N, E] head)
         self.tap_traffic = tensor_parallel.TapTraffic()  # the tap's all-gathers (tensor parallelism)
 
     # -- the draft loop ---------------------------------------------------------------------
@@ -275,9 +280,11 @@ class MoADraftModel(nn.Module):
         # tensor parallelism vLLM shards the head by vocabulary and the rows take a collective
         key = (self.lm_head.weight.data_ptr(), self.lm_head.weight._version, self.draft_vocab._version)
         if self._draft_vocab_rows is None or self._draft_vocab_rows[0] != key:
-            self._draft_vocab_rows = key, tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)
-        rows = self._draft_vocab_rows[1]
-        logits = torch.nn.functional.linear(hidden_states, rows)  # [M, N]
+            rows = tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)  # [N, E]
+            head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            head.weight = nn.Parameter(rows, requires_grad=False)
+            self._draft_vocab_rows = key, weight_format(head, self.weight_format)
+        logits = linear(hidden_states, self._draft_vocab_rows[1])  # [M, N]
         full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 

@@ -12,7 +12,9 @@ Three declared patches (patches.py) then make one target forward verify the tree
        RoPE positions of each tree's rows into p + depth and records the step (`TreeStep`);
     2. in the target's attention layers, `TreeStep.attend` recomputes the output rows of the draft
        nodes with the tree mask (a node sees the prefix 0..p and its own ancestors):
-       `vllm_moa.kernels.tree_attention_paged`, the Triton kernel on GPU and its PyTorch twin on CPU;
+       `vllm_moa.kernels.tree_attention_paged`, the Triton kernel on GPU; on CPU
+       `tree_attention_planned`, with what the step's layers share (each tree's blocks and mask)
+       read once per step (`plan_tree_attention`) instead of at every layer;
     3. after vLLM's sampler, `TreeStep.accept` replaces the output rows of tree requests by the
        accepted path and the next token (decoding/verify.py: greedy, or lossless recursive
        rejection with point-mass children), moves the accepted nodes' target KV to the slots a
@@ -40,7 +42,15 @@ from torch import Tensor
 
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
-from vllm_moa.kernels import tree_ancestor_masks, tree_attention_paged
+from vllm_moa.kernels import (
+    TreeAttentionPlan,
+    plan_tree_attention,
+    split_kv_cache,
+    tree_ancestor_masks,
+    tree_attention_paged,
+    tree_attention_planned,
+    use_triton,
+)
 from vllm_moa.kernels.paged import gather_slots, write_slots
 
 TREE_BACKENDS = ("CPU_ATTN",)  # attention backends whose forward TreeAttentionPatch masks
@@ -127,6 +137,9 @@ class TreeStep:
     prefix_lens: Tensor  # [R] p + 1: the root is part of every node's prefix
     cu_nodes: Tensor  # [R + 1] node offsets
     ancestor_masks: Tensor  # [T] int64 (kernels.tree_ancestor_masks)
+    # CPU: what every target layer of the step shares, planned at the first layer (by block table
+    # and block size: the target's layers share one KV-cache group)
+    _plan: tuple[tuple[int, int], TreeAttentionPlan] | None = field(default=None, init=False, repr=False)
 
     # -- 2. the target's attention ---------------------------------------------------------------
     def attend(self, layer: Any, scale: float, query: Tensor, kv_cache: Tensor, block_table: Tensor,
@@ -137,11 +150,24 @@ class TreeStep:
             return
         rows = self.node_rows.to(query.device)
         heads, head_dim = query.shape[1], query.shape[2]
-        out = tree_attention_paged(
-            query[rows], kv_cache, block_table[self.req_rows.to(block_table.device)], self.prefix_lens,
-            self.cu_nodes, self.ancestor_masks, layout=self.layout, sm_scale=scale,
-        )  # [T, H, d]
+        if use_triton(query.device):
+            out = tree_attention_paged(
+                query[rows], kv_cache, block_table[self.req_rows.to(block_table.device)], self.prefix_lens,
+                self.cu_nodes, self.ancestor_masks, layout=self.layout, sm_scale=scale,
+            )  # [T, H, d]
+        else:
+            out = tree_attention_planned(query[rows], kv_cache, self._plan_for(kv_cache, block_table),
+                                         layout=self.layout, sm_scale=scale)  # [T, H, d]
         output.view(output.shape[0], heads, head_dim)[rows] = out.to(output.dtype)
+
+    def _plan_for(self, kv_cache: Tensor, block_table: Tensor) -> TreeAttentionPlan:
+        block_size = split_kv_cache(kv_cache, self.layout)[0].shape[1]
+        key = (block_table.data_ptr(), block_size)
+        if self._plan is None or self._plan[0] != key:
+            tables = block_table[self.req_rows.to(block_table.device)]
+            self._plan = key, plan_tree_attention(tables, self.prefix_lens, self.cu_nodes, self.ancestor_masks,
+                                                  block_size)
+        return self._plan[1]
 
     # -- 3. acceptance ---------------------------------------------------------------------------
     def accept(self, logits: Tensor, cu_num_sampled: Tensor, sampling: Any, sampled: Tensor,

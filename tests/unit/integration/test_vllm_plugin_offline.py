@@ -310,3 +310,12 @@ def test_without_vllm_the_plugin_says_so_and_does_nothing():
     out = _python("import vllm_moa.integration.plugin as p; print(p.register())")
     assert out.stdout.strip() == "False"
     assert "vLLM is not installed" in out.stderr
+
+
+def test_drafter_weights_in_vllm_are_checked_before_any_engine_starts(monkeypatch):
+    monkeypatch.setenv("VLLM_MOA_DRAFTER_WEIGHTS", "fp8")
+    with pytest.raises(UnsupportedMoASetup, match="VLLM_MOA_DRAFTER_WEIGHTS 'fp8': expected one of auto, fp32"):
+        demo_check(DEMO / "moa-tli0")
+    for value in ("int8", "FP32", ""):
+        monkeypatch.setenv("VLLM_MOA_DRAFTER_WEIGHTS", value)
+        demo_check(DEMO / "moa-tli0")
