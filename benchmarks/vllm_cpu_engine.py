@@ -163,6 +163,8 @@ def main() -> None:
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
     parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
+    parser.add_argument("--drafter-weights", default=os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "auto",
+                        help="VLLM_MOA_DRAFTER_WEIGHTS of the MoA engines: auto | fp32 | bf16 | int8 (recorded in config)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -172,7 +174,7 @@ def main() -> None:
     tli1 = args.tli1_drafter or (SHIPPED / "moa-tli1" if args.target == "demo" and args.tli1_k else None)
     heldout = heldout_prompts_file(drafter)
     prompts = load_prompts(target, args.prompts, args.num_prompts, args.prompt_tokens, heldout)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_MOA_DRAFTER_WEIGHTS": args.drafter_weights}
     if args.threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.threads
     name = args.target if args.target in ("demo", "smollm2") else target.name
