@@ -163,8 +163,8 @@ def main() -> None:
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
     parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
-    parser.add_argument("--drafter-weights", default=os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "auto",
-                        help="VLLM_MOA_DRAFTER_WEIGHTS of the MoA engines: auto | fp32 | bf16 | int8 (recorded in config)")
+    parser.add_argument("--drafter-weights", default=os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "fp32",
+                        help="VLLM_MOA_DRAFTER_WEIGHTS of the MoA engines: fp32 | bf16 | int8 | auto (recorded in config)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 

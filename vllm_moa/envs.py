@@ -15,9 +15,11 @@ or a child process that sets one sees it. This module imports nothing of the pac
                                    resumes (integration/catch_up.py)
     VLLM_MOA_TOKEN                 the server's bearer tokens, comma-separated (also the client's
                                    token unless `--token-env` names another variable)
-    VLLM_MOA_DRAFTER_WEIGHTS       auto | fp32 | bf16 | int8: the weights of a "moa" drafter's
+    VLLM_MOA_DRAFTER_WEIGHTS       fp32 | bf16 | int8 | auto: the weights of a "moa" drafter's
                                    draft-vocabulary head rows and LSA in vLLM's CPU engine
-                                   (packed_linear; default auto: int8 where fbgemm exists)
+                                   (packed_linear; default fp32: int8's one activation scale per
+                                   call makes a draft depend on the rows batched with it, and
+                                   the catch-up relies on drafts that do not)
     VLLM_MOA_KERNELS               auto | triton | torch: the kernels' backend (read by
                                    kernels/_backend.py itself: the kernels import nothing of the
                                    package)
@@ -53,7 +55,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_FIX_CPU_SAMPLER": lambda: _flag("VLLM_MOA_FIX_CPU_SAMPLER", None),
     "VLLM_MOA_CATCH_UP": lambda: _flag("VLLM_MOA_CATCH_UP", True),
     "VLLM_MOA_TOKEN": lambda: [t.strip() for t in os.environ.get("VLLM_MOA_TOKEN", "").split(",") if t.strip()],
-    "VLLM_MOA_DRAFTER_WEIGHTS": lambda: (os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "auto").strip().lower(),
+    "VLLM_MOA_DRAFTER_WEIGHTS": lambda: (os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "fp32").strip().lower(),
     "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
 }
 

@@ -126,7 +126,8 @@ def fbgemm_available() -> bool:
 
 class _Int8Pack:
     """The modules' weights concatenated along the output axis as int8 with a scale per output
-    channel; `weight` is None where no int8 kernel applies.
+    channel; `weight` is None where no int8 kernel applies. fbgemm quantises a call's input rows
+    with one scale, so a row's output depends a little on the rows beside it (not the fallback's).
 
     Where fbgemm is available (x86 builds), the weights are prepacked for its dynamic int8 linear:
     one call quantises the input (uint8, one scale and zero point for all rows), multiplies and
