@@ -35,12 +35,13 @@ class TreeAttentionPlan:
 
     spans: tuple[tuple[int, int], ...]  # (cu[b], cu[b + 1])
     blocks: tuple[Tensor, ...]  # [ceil(L_b / block_size)] int64
-    bias: tuple[Tensor, ...]  # [n_b, L_b] float32: 0 where allowed, -inf elsewhere
+    bias: tuple[Tensor, ...]  # [groups * n_b, L_b] float32: 0 where allowed, -inf elsewhere
+    groups: int  # query heads per KV head (the mask's rows repeat for each)
 
 
 def plan_tree_attention(block_tables: Tensor, prefix_lens: Tensor, cu_seqlens_q: Tensor, ancestor_masks: Tensor,
-                        block_size: int) -> TreeAttentionPlan:
-    """What every layer of a step shares (the arguments as in kernels/tree.py)."""
+                        block_size: int, groups: int = 1) -> TreeAttentionPlan:
+    """What every layer of a step shares (the arguments as in kernels/tree.py; `groups`: H / H_kv)."""
     cu, prefix = cu_seqlens_q.tolist(), prefix_lens.tolist()
     spans, blocks, bias = [], [], []
     for b in range(len(cu) - 1):
@@ -52,8 +53,9 @@ def plan_tree_attention(block_tables: Tensor, prefix_lens: Tensor, cu_seqlens_q:
                              ancestor_bits(ancestor_masks[lo:hi], n)], dim=1)  # [n, P + n]
         spans.append((lo, hi))
         blocks.append(block_tables[b, : -(-(p + n) // block_size)].long())
-        bias.append(torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf")))
-    return TreeAttentionPlan(tuple(spans), tuple(blocks), tuple(bias))
+        additive = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        bias.append(additive.repeat(groups, 1))
+    return TreeAttentionPlan(tuple(spans), tuple(blocks), tuple(bias), groups)
 
 
 @torch.no_grad()
@@ -65,14 +67,15 @@ def tree_attention_planned(q: Tensor, kv_cache: Tensor, plan: TreeAttentionPlan,
     out = torch.empty_like(q)
     for (lo, hi), blocks, bias in zip(plan.spans, plan.blocks, plan.bias):
         n, length = hi - lo, bias.shape[1]
-        k, v = gather_blocks(kv_cache, blocks.to(kv_cache.device), layout)  # each [nb, bs, H_kv, d]
+        k, v = gather_blocks(kv_cache, blocks, layout)  # each [nb, bs, H_kv, d]
         kv_heads = k.shape[2]
         groups = num_heads // kv_heads
+        if groups != plan.groups:
+            raise ValueError(f"the plan's mask is for {plan.groups} query heads per KV head, this layer has {groups}")
         keys = k.permute(2, 3, 0, 1).reshape(kv_heads, head_dim, -1)[..., :length].to(q.dtype)  # [H_kv, d, L]
         values = v.permute(2, 0, 1, 3).reshape(kv_heads, -1, head_dim)[:, :length].to(q.dtype)  # [H_kv, L, d]
         queries = q[lo:hi].reshape(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
-        mask = bias.to(q.dtype).repeat(groups, 1)  # [g * n, L]
-        probs = torch.baddbmm(mask, queries, keys, alpha=scale).softmax(dim=-1)  # [H_kv, g * n, L]
+        probs = torch.baddbmm(bias.to(q.dtype), queries, keys, alpha=scale).softmax(dim=-1)  # [H_kv, g * n, L]
         heads = torch.bmm(probs, values)  # [H_kv, g * n, d]
         out[lo:hi] = heads.view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out

@@ -106,6 +106,14 @@ def weight_format(module: nn.Module, fmt: str) -> nn.Module:
     return module
 
 
+def frozen_linear(weight: Tensor, fmt: str = "fp32") -> nn.Linear:
+    """A bias-free, frozen nn.Linear over `weight` [out, in] (no copy), marked to run on `fmt`
+    weights in CPU inference (e.g. the target LM head's rows of a draft vocabulary)."""
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    return weight_format(module, fmt)
+
+
 def int8_weights(module: nn.Module, flag: bool = True) -> nn.Module:
     """`weight_format(module, "int8")` (flag False: back to fp32)."""
     return weight_format(module, "int8" if flag else "fp32")

@@ -57,7 +57,7 @@ from vllm_moa.kernels.paged import gather_layer_rows, gather_slots, split_kv_cac
 from vllm_moa.kernels.paged import slot_mapping as paged_slots
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.kinds.moa.model import LayerSelfAttention
-from vllm_moa.packed_linear import check_drafter_weights, linear, weight_format
+from vllm_moa.packed_linear import check_drafter_weights, frozen_linear, linear, weight_format
 
 AttentionFactory = Callable[..., nn.Module]
 
@@ -281,9 +281,7 @@ class MoADraftModel(nn.Module):
         key = (self.lm_head.weight.data_ptr(), self.lm_head.weight._version, self.draft_vocab._version)
         if self._draft_vocab_rows is None or self._draft_vocab_rows[0] != key:
             rows = tensor_parallel.vocab_rows(self.lm_head, self.draft_vocab)  # [N, E]
-            head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-            head.weight = nn.Parameter(rows, requires_grad=False)
-            self._draft_vocab_rows = key, weight_format(head, self.weight_format)
+            self._draft_vocab_rows = key, frozen_linear(rows, self.weight_format)
         logits = linear(hidden_states, self._draft_vocab_rows[1])  # [M, N]
         full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)

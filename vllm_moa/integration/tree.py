@@ -139,7 +139,7 @@ class TreeStep:
     ancestor_masks: Tensor  # [T] int64 (kernels.tree_ancestor_masks)
     # CPU: what every target layer of the step shares, planned at the first layer (by block table
     # and block size: the target's layers share one KV-cache group)
-    _plan: tuple[tuple[int, int], TreeAttentionPlan] | None = field(default=None, init=False, repr=False)
+    _plan: tuple[tuple[int, int, int], TreeAttentionPlan] | None = field(default=None, init=False, repr=False)
 
     # -- 2. the target's attention ---------------------------------------------------------------
     def attend(self, layer: Any, scale: float, query: Tensor, kv_cache: Tensor, block_table: Tensor,
@@ -156,17 +156,18 @@ class TreeStep:
                 self.cu_nodes, self.ancestor_masks, layout=self.layout, sm_scale=scale,
             )  # [T, H, d]
         else:
-            out = tree_attention_planned(query[rows], kv_cache, self._plan_for(kv_cache, block_table),
+            out = tree_attention_planned(query[rows], kv_cache, self._plan_for(kv_cache, block_table, heads),
                                          layout=self.layout, sm_scale=scale)  # [T, H, d]
         output.view(output.shape[0], heads, head_dim)[rows] = out.to(output.dtype)
 
-    def _plan_for(self, kv_cache: Tensor, block_table: Tensor) -> TreeAttentionPlan:
-        block_size = split_kv_cache(kv_cache, self.layout)[0].shape[1]
-        key = (block_table.data_ptr(), block_size)
+    def _plan_for(self, kv_cache: Tensor, block_table: Tensor, heads: int) -> TreeAttentionPlan:
+        k = split_kv_cache(kv_cache, self.layout)[0]  # [num_blocks, block_size, H_kv, d]
+        block_size, groups = k.shape[1], heads // k.shape[2]
+        key = (block_table.data_ptr(), block_size, groups)
         if self._plan is None or self._plan[0] != key:
             tables = block_table[self.req_rows.to(block_table.device)]
             self._plan = key, plan_tree_attention(tables, self.prefix_lens, self.cu_nodes, self.ancestor_masks,
-                                                  block_size)
+                                                  block_size, groups)
         return self._plan[1]
 
     # -- 3. acceptance ---------------------------------------------------------------------------

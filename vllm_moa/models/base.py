@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from vllm_moa import registry
 from vllm_moa.config import WEIGHTS_NAME, DrafterConfigBase, DrafterConfigError, read_drafter_config
-from vllm_moa.packed_linear import check_drafter_weights, linear, weight_format
+from vllm_moa.packed_linear import check_drafter_weights, frozen_linear, linear, weight_format
 from vllm_moa.shipped import drafter_directory
 
 if TYPE_CHECKING:
@@ -103,10 +103,8 @@ class Drafter(nn.Module):
         key = (weight.data_ptr(), weight.dtype, weight.device, self.draft_vocab.data_ptr(), self.draft_vocab._version,
                getattr(self, "_weight_format", "fp32"))
         if self._head_rows is None or self._head_rows[0] != key:
-            head = nn.Linear(weight.shape[1], self.draft_vocab.numel(), bias=False, device="meta")
-            head.weight = nn.Parameter(weight.detach().index_select(0, self.draft_vocab), requires_grad=False)
-            head._weight_format = getattr(self, "_weight_format", "fp32")  # packed_linear.weight_format(drafter)
-            self._head_rows = (key, head)
+            rows = weight.detach().index_select(0, self.draft_vocab)  # [N, E]
+            self._head_rows = (key, frozen_linear(rows, getattr(self, "_weight_format", "fp32")))
         return self._head_rows[1]
 
     def vocab_logits(self, feature: Tensor, target: TargetModel) -> Tensor:

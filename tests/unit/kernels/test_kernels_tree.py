@@ -8,26 +8,22 @@ lands within the same bound).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from paged_trees import BLOCK_SIZE, build_batch  # noqa: E402
+
 from vllm_moa.kernels import (  # noqa: E402
-    new_kv_cache,
     slot_mapping,
-    tree_ancestor_masks,
     tree_attention_paged,
     tree_attention_reference,
     tree_attention_triton,
-    write_slots,
 )
 from vllm_moa.kernels.tree import ancestor_bits  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-BLOCK_SIZE = 16
 
 TREES = {
     "single": [-1],
@@ -36,32 +32,6 @@ TREES = {
     "branchy": [-1, 0, 0, 1, 1, 2, 3, 3, 5, -1, 9, 10],  # two roots hanging off the prefix
     "deep64": list(range(-1, 63)),  # 64-deep chain: the last node needs bit 63
 }
-
-
-def build_batch(trees, prefixes, num_kv_heads, head_dim, dtype, device, layout="flash_attn", seed=0):
-    """A paged cache holding each sequence's prefix followed by its tree tokens, with blocks handed
-    out in a shuffled order (so a sequence's blocks are non-contiguous)."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = [len(t) for t in trees]
-    blocks_per_seq = [math.ceil((p + n) / BLOCK_SIZE) for p, n in zip(prefixes, sizes)]
-    max_blocks = max(blocks_per_seq) + 1
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.full((len(trees), max_blocks), num_blocks - 1, dtype=torch.int32)  # padding
-    used = 0
-    for b, nb in enumerate(blocks_per_seq):
-        block_tables[b, :nb] = order[used:used + nb].to(torch.int32)
-        used += nb
-    cache = new_kv_cache(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, layout=layout)
-    cache.copy_(torch.randn(cache.shape, generator=g))  # garbage everywhere else
-    for b, (p, n) in enumerate(zip(prefixes, sizes)):
-        slots = slot_mapping(block_tables[b].long(), torch.arange(p + n), BLOCK_SIZE)
-        write_slots(cache, slots, torch.randn(p + n, num_kv_heads, head_dim, generator=g),
-                    torch.randn(p + n, num_kv_heads, head_dim, generator=g), layout)
-    cu = torch.tensor([0] + sizes).cumsum(0).to(torch.int32)
-    masks = tree_ancestor_masks(torch.tensor(sum(trees, [])), cu)
-    return (cache.to(device=device, dtype=dtype), block_tables.to(device), torch.tensor(prefixes, dtype=torch.int32,
-            device=device), cu.to(device), masks.to(device))
 
 
 def make_q(total, num_heads, head_dim, dtype, device, seed=1):
