@@ -15,11 +15,14 @@ its rows also give the share of rounds it decoded plainly. Drafters whose sessio
 level for the whole batch; --sequential-drafting adds rows with batch_drafting=False (one
 sequence at a time, as before) for them at batch > 1.
 
-For each batch size B, B prompts run as one ragged batch: plain, then each configuration,
-alternately; every sequence's output is checked equal to plain greedy decoding. Throughput =
-generated tokens / wall time of the batch; speedup = paired time ratio against the plain runs
-just before (over all repeats; each repeat's ratio too). --control adds, per batch size, a second
-plain engine paired the same way: its "speedup" is what this machine's noise alone gives. Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png} with provenance.
+For each batch size B, B prompts run as one ragged batch: plain and each configuration in pairs,
+the plain run first in even pairs and second in odd ones (the second run of a pair can read 5-10%
+off the first on these machines, whichever engine it is); every sequence's output is checked
+equal to plain greedy decoding. Throughput = generated tokens / wall time of the batch; speedup =
+time ratio against the plain runs of the same pairs (over all repeats; each repeat's ratio too).
+--control adds, per batch size, a second plain engine paired the same way: its "speedup" is what
+this machine's noise alone gives. Writes benchmarks/results/runtime_batch_cpu_smollm2.{json,png}
+with provenance.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "hybrid:moa-tli0", "ngram"],
                         help="shipped drafter names, 'ngram', 'hybrid:<name>' (lookup merged into its drafts), "
                              "'int8:<name>' / 'bf16:<name>' (also 'hybrid:int8:<name>'): on int8 / bf16 weights")
-    parser.add_argument("--repeats", type=int, default=2, help="plain/speculative pairs per configuration")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="plain/speculative pairs per configuration (even: as many with either first)")
     parser.add_argument("--adaptive", action="store_true", help="each configuration also with adaptive=True")
     parser.add_argument("--control", action="store_true",
                         help="per batch size, also a plain engine paired with plain decoding (the noise floor)")
@@ -107,13 +111,11 @@ def main() -> None:
                 engine.generate([ids[0]], 4)  # warm-up
                 plain_s = spec_s = 0.0
                 results, ties, ratios = [], [], []
-                for _ in range(args.repeats):
-                    started = time.perf_counter()
-                    plain = plain_engine.generate(ids, args.max_new_tokens)
-                    plain_took = time.perf_counter() - started
-                    started = time.perf_counter()
-                    out = engine.generate(ids, args.max_new_tokens)
-                    spec_took = time.perf_counter() - started
+                for repeat in range(args.repeats):
+                    # order-balanced pairs: the run second in a pair reads up to 5-10% off the first
+                    # on this machine (by engine, not by kind), so every other pair runs it first
+                    plain, plain_took, out, spec_took = _pair(plain_engine, engine, ids, args.max_new_tokens,
+                                                              speculative_first=repeat % 2 == 1)
                     plain_s, spec_s = plain_s + plain_took, spec_s + spec_took
                     ratios.append(round(plain_took / spec_took, 3))
                     for prompt, p, o in zip(ids, plain, out):
@@ -138,6 +140,18 @@ def main() -> None:
         _write(args, rows, prov)  # after every batch size: a run cut short keeps what it measured
 
 
+def _pair(plain_engine: SpeculativeEngine, engine: SpeculativeEngine, ids: list[list[int]], max_new_tokens: int,
+          speculative_first: bool) -> tuple[list, float, list, float]:
+    """One plain and one speculative run of the batch, in the order asked: (plain outputs, plain
+    seconds, speculative outputs, speculative seconds)."""
+    took = {}
+    for which in (("speculative", "plain") if speculative_first else ("plain", "speculative")):
+        started = time.perf_counter()
+        outputs = (plain_engine if which == "plain" else engine).generate(ids, max_new_tokens)
+        took[which] = outputs, time.perf_counter() - started
+    return (*took["plain"], *took["speculative"])
+
+
 TIE_MARGIN = 1e-3  # logits this close: the batched and the plain forward may order them differently
 
 
@@ -159,6 +173,7 @@ def _write(args: argparse.Namespace, rows: list[dict], prov: dict) -> None:
         "benchmark": "runtime_batch_cpu", "target": "SmolLM2-135M-Instruct (fp32)",
         "prompts": "heldout" if args.prompts is None else str(args.prompts.parent.name),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "pairs": "order-balanced: plain first in even repeats, speculative first in odd ones",
         "decoding": f"greedy; every output equal to plain batched decoding, or left at a float tie (the target's "
                     f"two best logits within {TIE_MARGIN}: rows' float_ties)",
         "drafting": "'together': one drafter forward per tree level for the batch (decoding/drafters.propose_all); "
