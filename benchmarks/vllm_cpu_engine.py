@@ -7,6 +7,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR   # the real target
     python -m benchmarks.vllm_cpu_engine --ks 3 --concurrency 1 --max-tokens 32   # a quick look
     python -m benchmarks.vllm_cpu_engine --ks 3 --trees 3,2,4 5,4,16 --ngram-k 0 --out F.json   # trees vs chains
+    python -m benchmarks.vllm_cpu_engine ... --trees 3,2,4 --chain-if-faster   # + each tree, chain if faster
     python -m benchmarks.vllm_cpu_engine --target smollm2 --drafter DIR --ks 3 --retrieval '{}'   # + hybrid rows
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size '[[1, 4, 4], [5, 256, 0]]'   # + K by batch size
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size ... --every-pass   # + the same, drafter run at K = 0
@@ -78,14 +79,17 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
 
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
             trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None,
-            per_batch_size: list[list[int]] | None = None, every_pass: bool = False) -> dict[str, dict | None]:
+            per_batch_size: list[list[int]] | None = None, every_pass: bool = False,
+            chain_if_faster: bool = False) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
     same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
     options), every MoA chain and tree also runs as a "hybrid" one; with `per_batch_size` (vLLM's
     num_speculative_tokens_per_batch_size: [first, last, K] batch-size ranges), every MoA chain
     also runs with K chosen by vLLM's scheduler from that schedule ("... by batch size"), and with
     `every_pass` once more with the drafter's first pass run at K = 0 steps too, as vLLM's draft
-    models do, instead of skipped and caught up (VLLM_MOA_CATCH_UP=0: "..., every pass")."""
+    models do, instead of skipped and caught up (VLLM_MOA_CATCH_UP=0: "..., every pass"); with
+    `chain_if_faster`, every tree also runs with moa_tree.chain_if_faster (each step the tree or
+    the chain of its budget, whichever measures faster: "..., chain if faster")."""
     out: dict[str, dict | None] = {"none": None}
     if ngram_k:
         out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
@@ -96,6 +100,10 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
             out[f"moa tree {depth},{top_k},{budget}"] = {
                 "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
                 "moa_tree": {"depth": depth, "top_k": top_k}}
+            if chain_if_faster:
+                out[f"moa tree {depth},{top_k},{budget}, chain if faster"] = {
+                    "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
+                    "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": True}}
         if retrieval is not None:
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
                         for name, config in list(out.items()) if name.startswith("moa ")})
@@ -152,6 +160,8 @@ def main() -> None:
     parser.add_argument("--ngram-k", type=int, default=3, help="n-gram's K (0: no n-gram run)")
     parser.add_argument("--trees", type=_tree, nargs="*", default=[], metavar="D,K,B",
                         help="MoA draft trees (depth, top-k, node budget), each with the chain K=B")
+    parser.add_argument("--chain-if-faster", action="store_true",
+                        help="each tree also with moa_tree.chain_if_faster (the tree or the chain K=B, by measured speed)")
     parser.add_argument("--retrieval", type=json.loads, default=None, metavar="JSON",
                         help="moa_retrieval options, e.g. '{}' (the defaults): a hybrid row beside each MoA chain/tree")
     parser.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON",
@@ -184,7 +194,7 @@ def main() -> None:
     passes = [c for c in args.concurrency for _ in range(repeats.get(c, 1))]
     rows, reference = [], None
     configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
-                      args.per_batch_size, args.every_pass)
+                      args.per_batch_size, args.every_pass, args.chain_if_faster)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *passes], engine={"dtype": "float32", "max_model_len": 2048,

@@ -20,6 +20,15 @@ or a child process that sets one sees it. This module imports nothing of the pac
                                    (packed_linear; default fp32: int8's one activation scale per
                                    call makes a draft depend on the rows batched with it, and
                                    the catch-up relies on drafts that do not)
+    VLLM_MOA_TP_DRAFTER_MLP        sharded | replicated: under tensor parallelism, a "moa"
+                                   drafter's MLPs split across the ranks where they divide
+                                   (default sharded: an all-reduce after each) or whole on every
+                                   rank (replicated: no collective, each rank runs all of it)
+    VLLM_MOA_TP_TAP_DTYPE          auto | fp8: under tensor parallelism, the tap's rows gathered
+                                   in the KV cache's dtype (default auto) or as float8 e4m3 with
+                                   one float32 scale per token, layer, KV head and K/V (fp8: about
+                                   1/2 of bf16's bytes; the drafter reads rounded rows, so drafts
+                                   and acceptance may move a little, outputs never)
     VLLM_MOA_KERNELS               auto | triton | torch: the kernels' backend (read by
                                    kernels/_backend.py itself: the kernels import nothing of the
                                    package)
@@ -56,6 +65,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_CATCH_UP": lambda: _flag("VLLM_MOA_CATCH_UP", True),
     "VLLM_MOA_TOKEN": lambda: [t.strip() for t in os.environ.get("VLLM_MOA_TOKEN", "").split(",") if t.strip()],
     "VLLM_MOA_DRAFTER_WEIGHTS": lambda: (os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "fp32").strip().lower(),
+    "VLLM_MOA_TP_DRAFTER_MLP": lambda: (os.environ.get("VLLM_MOA_TP_DRAFTER_MLP") or "sharded").strip().lower(),
+    "VLLM_MOA_TP_TAP_DTYPE": lambda: (os.environ.get("VLLM_MOA_TP_TAP_DTYPE") or "auto").strip().lower(),
     "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
 }
 

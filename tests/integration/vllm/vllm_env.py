@@ -91,13 +91,15 @@ def first_difference(got, want) -> int:
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-def moa(k: int, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
+def moa(k: int, drafter: str = DRAFTER, tree: tuple | None = None,
         retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
-    """speculative_config of MoA: a chain of k, or (tree = (depth, top_k)) a tree of k nodes;
-    retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
+    """speculative_config of MoA: a chain of k, or (tree = (depth, top_k[, chain_if_faster])) a
+    tree of k nodes; retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
     config = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
     if tree is not None:
         config["moa_tree"] = {"depth": tree[0], "top_k": tree[1]}
+        if len(tree) > 2:
+            config["moa_tree"]["chain_if_faster"] = tree[2]
     if retrieval is not None:
         config["moa_retrieval"] = dict(retrieval)
     return config
@@ -115,13 +117,13 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
 
 @cache
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
-           stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple[int, int] | None = None,
-           retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1):
+           stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple | None = None,
+           retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1, env: tuple[tuple[str, str], ...] = ()):
     """One engine run over prompts(), cached for the session (`replica` starts another engine of
     the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
     and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
     and recomputes requests. tp > 1: a tensor-parallel target (vLLM's mp executor, one process per
-    rank), with the tap's traffic read from every worker."""
+    rank), with the tap's traffic read from every worker. env: extra environment variables."""
     from vllm_moa.integration.offline import EngineRun, run_engine
 
     config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
@@ -133,4 +135,4 @@ def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperat
     run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
                     temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra},
                     tap_traffic=tp > 1 and config is not None)
-    return run_engine(run, timeout=900, env=tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV)
+    return run_engine(run, timeout=900, env={**(tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV), **dict(env)})

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from vllm_moa.decoding.speed_control import SpeedController
+from vllm_moa.decoding.speed_control import FasterShape, SpeedController
 
 
 def simulate(batch: int, verify_s, draft_s_per_level: float, rate: float, rounds: int = 300) -> dict[int, int]:
@@ -108,3 +108,43 @@ def test_near_a_tie_a_batch_keeps_drafting_where_drafting_pays():
                                0.001 * 8 * depth, accepted)
         drafted.append(1 - controller.chosen.get(0, 0) / 1000)
     assert min(drafted) > 0.8, drafted
+
+
+def _race(rates, rounds: int = 600, batch: int = 1, switch_at: int | None = None):
+    """FasterShape over shapes whose rounds give 1 token in 1 / rate seconds (rates swap at
+    `switch_at`): the shapes it chose, in order."""
+    chooser = FasterShape(list(rates))
+    chosen = []
+    for i in range(rounds):
+        current = rates if switch_at is None or i < switch_at else dict(zip(rates, reversed(rates.values())))
+        shape = chooser.choose(batch)
+        chooser.observe(batch, shape, 1.0, 1.0 / current[shape])
+        chosen.append(shape)
+    return chooser, chosen
+
+
+def test_faster_shape_settles_on_the_faster_shape_and_probes_rarely():
+    chooser, chosen = _race({"tree": 90.0, "chain": 100.0})
+    assert chosen[:4].count("tree") == 2 and chosen[:4].count("chain") == 2  # both measured first
+    late = chosen[100:]
+    assert late.count("chain") / len(late) > 0.95
+    assert 0 < late.count("tree") <= 10  # probes, at doubling intervals
+    assert chooser.rate(1, "chain") == pytest.approx(100.0)
+
+
+def test_faster_shape_follows_a_change_of_verdict():
+    _, chosen = _race({"tree": 90.0, "chain": 100.0}, rounds=1200, switch_at=300)
+    assert chosen[250:300].count("chain") >= 45
+    assert chosen[-200:].count("tree") >= 190
+
+
+def test_faster_shape_keeps_a_verdict_per_batch_size():
+    chooser = FasterShape(["tree", "chain"])
+    rates = {1: {"tree": 120.0, "chain": 100.0}, 16: {"tree": 80.0, "chain": 100.0}}
+    for _ in range(300):
+        for batch in (1, 16):
+            shape = chooser.choose(batch)
+            chooser.observe(batch, shape, batch, batch / rates[batch][shape])
+    assert chooser.choose(1) == "tree" and chooser.choose(16) == "chain"
+    with pytest.raises(ValueError, match="two or more distinct shapes"):
+        FasterShape(["tree"])

@@ -13,8 +13,11 @@ from vllm_moa.integration.tensor_parallel import (
     cpu_thread_binding,
     local_heads,
     local_kv_heads,
+    pack_fp8,
     tensor_parallel_refusal,
+    tp_options,
     unique_kv_head_rows,
+    unpack_fp8,
 )
 from vllm_moa.kernels.paged import gather_layer_rows, new_kv_cache, write_slots
 
@@ -85,3 +88,50 @@ def test_token_checksum_tells_ranks_that_verify_other_tokens_apart():
 def test_cpu_thread_binding():
     assert cpu_thread_binding(1, [0, 1]) == "0-1"
     assert cpu_thread_binding(3, [0, 1]) == "0|1|0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_tap_rows_round_each_vector_to_float8_with_its_own_scale(dtype):
+    """VLLM_MOA_TP_TAP_DTYPE=fp8: [A, L, H * 2d] rows packed to 1 byte per value + one float32 scale
+    per (token, layer, head, K or V), in the rows' own dtype (what the all-gather moves), and
+    unpacked within float8 e4m3's rounding: 1/16 of a value, and a sliver of its vector's maximum
+    below e4m3's normal range. Rows of very different magnitudes keep their own precision, and a
+    zero vector stays zero."""
+    torch.manual_seed(0)
+    d = 64
+    rows = torch.randn(5, 7, 3 * 2 * d) * torch.logspace(-3, 3, 6 * 5 * 7).view(5, 7, 6).repeat_interleave(d, -1)
+    rows[0, 0, :d] = 0
+    rows = rows.to(dtype)
+    packed = pack_fp8(rows, d)
+    assert packed.dtype == dtype and packed.shape[:2] == (5, 7)
+    assert packed.numel() * packed.element_size() == 5 * 7 * (6 * d + 6 * 4)  # codes + scales, no padding here
+    back = unpack_fp8(packed, 6, d, dtype).float()
+    exact = rows.float()
+    vector_max = exact.unflatten(-1, (6, d)).abs().amax(-1).repeat_interleave(d, -1)
+    assert ((back - exact).abs() <= exact.abs() / 16 + vector_max * 1e-5).all()
+    assert (back[0, 0, :d] == 0).all()
+    assert (back - exact).abs().max() > 0  # rounded: the test can tell
+
+
+def test_fp8_unpacks_every_ranks_chunk_after_a_gather():
+    """The all-gather concatenates each rank's packed chunk; unpacking them as [t, m] gives the
+    rows of the ranks in order, as the gather of the raw rows would."""
+    d = 8
+    ranks = [torch.randn(2, 3, 2 * 2 * d) for _ in range(3)]
+    gathered = torch.cat([pack_fp8(r, d) for r in ranks], dim=-1).unflatten(-1, (3, -1))
+    back = unpack_fp8(gathered, 4, d, torch.float32).flatten(-2)
+    assert torch.allclose(back, torch.cat(ranks, dim=-1), rtol=1 / 16, atol=1e-3)
+
+
+def test_tp_options_refuse_unknown_values(monkeypatch):
+    assert tp_options() == ("sharded", "auto")
+    monkeypatch.setenv("VLLM_MOA_TP_DRAFTER_MLP", "Replicated")
+    monkeypatch.setenv("VLLM_MOA_TP_TAP_DTYPE", "fp8")
+    assert tp_options() == ("replicated", "fp8")
+    monkeypatch.setenv("VLLM_MOA_TP_TAP_DTYPE", "int4")
+    with pytest.raises(ValueError, match=r"VLLM_MOA_TP_TAP_DTYPE='int4': expected one of \['auto', 'fp8'\]"):
+        tp_options()
+    monkeypatch.setenv("VLLM_MOA_TP_TAP_DTYPE", "fp8")
+    monkeypatch.setenv("VLLM_MOA_TP_DRAFTER_MLP", "halved")
+    with pytest.raises(ValueError, match="VLLM_MOA_TP_DRAFTER_MLP='halved'"):
+        tp_options()

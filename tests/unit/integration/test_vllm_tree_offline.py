@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.integration import compat
-from vllm_moa.integration.draft_config import UnsupportedMoASetup, tree_spec
+from vllm_moa.integration.draft_config import UnsupportedMoASetup, requested_chain_if_faster, tree_spec
 from vllm_moa.integration.tree import DraftedTrees, pad_tree, plan_step
+from vllm_moa.integration.tree_or_chain import TreeOrChain
 from vllm_moa.kernels.paged import split_kv_cache
 
 H, H_KV, D, BLOCK = 4, 2, 32, 32
@@ -183,6 +184,7 @@ def test_pad_tree_fills_the_budget_with_root_children():
     ({"depth": 5, "top_k": 4}, 16, 0, "0.26.0", "vLLM 0.26.0"),
     ([5, 4], 16, 0, "0.32.0", "must be an object"),
     ({"depth": True, "top_k": 4}, 16, 0, "0.32.0", "depth must be an integer"),
+    ({"depth": 3, "top_k": 2, "chain_if_faster": "yes"}, 4, 0, "0.32.0", "chain_if_faster must be true or false"),
 ])
 def test_tree_config_refusals_name_the_problem(moa_tree, budget, tli, version, words):
     with pytest.raises(UnsupportedMoASetup) as err:
@@ -193,7 +195,71 @@ def test_tree_config_refusals_name_the_problem(moa_tree, budget, tli, version, w
 def test_tree_config():
     spec = tree_spec({"depth": 5, "top_k": 4}, 16, 0, "0.32.0")
     assert (spec.depth, spec.top_k, spec.budget) == (5, 4, 16)
+    assert tree_spec({"depth": 5, "top_k": 4, "chain_if_faster": True}, 16, 0, "0.32.0") == spec
     assert tree_spec(None, 16, 1, "0.26.0") is None
+    config = SimpleNamespace(moa_tree={"depth": 3, "top_k": 2, "chain_if_faster": True})
+    assert requested_chain_if_faster(config)
+    assert not requested_chain_if_faster(SimpleNamespace(moa_tree={"depth": 3, "top_k": 2}))
+    assert not requested_chain_if_faster(SimpleNamespace(moa_tree=None))
+
+
+def _run_tree_or_chain(seconds_per_step: dict[str, float], accepted: dict[str, int], steps: int = 400,
+                       batch: int = 2, budget: int = 4) -> tuple[TreeOrChain, list[DraftSpec]]:
+    """Steps of a synthetic engine: each proposal's shape verified in `seconds_per_step[shape]`
+    with `accepted[shape]` drafts accepted per request; every 50th step a request joins (a step
+    the chooser must not price)."""
+    clock = [0.0]
+    chooser = TreeOrChain(DraftSpec.tree(3, 2, budget), budget, clock=lambda: clock[0])
+    ids, chosen, spec = [f"r{i}" for i in range(batch)], [], None
+    for step in range(steps):
+        joined = step % 50 == 49
+        if joined:
+            ids = ids + [f"r{step}"]
+        query_lens = [budget + 1] * len(ids) if spec is not None and not joined else [1] * len(ids)
+        shape = None if spec is None else ("chain" if spec.is_chain else "tree")
+        rejected = [budget - accepted[shape] if shape else 0] * len(ids)
+        spec = chooser.next_spec(ids, query_lens, rejected)
+        chosen.append(spec)
+        clock[0] += seconds_per_step["chain" if spec.is_chain else "tree"] * (10 if joined else 1)
+        if joined:
+            ids = ids[:batch]
+    return chooser, chosen
+
+
+def test_tree_or_chain_prices_only_full_steps_of_the_same_requests():
+    """A step is priced (tokens / seconds since the last proposal, for the last proposal's shape)
+    only when it verified the full budget of exactly the last proposal's requests."""
+    clock = [0.0]
+    chooser = TreeOrChain(DraftSpec.tree(3, 2, 4), 4, clock=lambda: clock[0])
+    first = chooser.next_spec(["a", "b"], [9, 1], None)  # after a prefill step: nothing to price
+    assert not first.is_chain  # both shapes untried: the tree first
+    clock[0] = 0.5
+    chooser.next_spec(["a", "b"], [5, 5], [1, 2])  # prices the tree: (5 - 1) + (5 - 2) = 7 tokens in 0.5 s
+    assert chooser.choice.rate(2, "tree") == pytest.approx(14.0) and chooser.choice.rate(2, "chain") is None
+    clock[0] = 1.5
+    chooser.next_spec(["a", "b", "c"], [5, 5, 1], [0, 0, 0])  # a request joined: not priced
+    clock[0] = 2.5
+    chooser.next_spec(["a", "b", "c"], [5, 3, 5], [0, 0, 0])  # a schedule cut short: not priced
+    clock[0] = 3.5
+    chooser.next_spec(["a", "c"], [5, 5], [0, 0])  # b left: not priced
+    assert set(chooser.choice.sums) == {(2, "tree")} and chooser.choice.sums[(2, "tree")][0] == 1
+
+
+@pytest.mark.parametrize("faster", ["tree", "chain"])
+def test_tree_or_chain_drafts_the_shape_that_measures_faster(faster):
+    """The tree accepts 3 drafts, the chain 2; their steps cost what makes `faster` win by 10%.
+    The chooser must settle on it (probes aside) and never price a step a new request joined
+    (those take 10x as long: priced, they would turn the verdict)."""
+    chain_rate = (1 + 2) / 0.01  # tokens per second per request
+    tree_s = (1 + 3) / (chain_rate * (1.1 if faster == "tree" else 1 / 1.1))
+    chooser, chosen = _run_tree_or_chain({"tree": tree_s, "chain": 0.01}, {"tree": 3, "chain": 2})
+    late = chosen[100:]
+    share = sum(spec.is_chain == (faster == "chain") for spec in late) / len(late)
+    assert share > 0.9, f"{faster} chosen in {share:.0%} of the late steps"
+    slower = "tree" if faster == "chain" else "chain"
+    assert chooser.choice.rate(2, faster) > chooser.choice.rate(2, slower)
+    assert chooser.specs["chain"].depth == 4 and chooser.specs["tree"].depth == 3
+    assert set(chooser.specs) == {"tree", "chain"} and chooser.specs["chain"].budget == 4
 
 
 def _sampling(**changes):
