@@ -99,7 +99,7 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
         for depth, top_k, budget in trees:
             out[f"moa tree {depth},{top_k},{budget}"] = {
                 "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
-                "moa_tree": {"depth": depth, "top_k": top_k}}
+                "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}
             if chain_if_faster:
                 out[f"moa tree {depth},{top_k},{budget}, chain if faster"] = {
                     "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,

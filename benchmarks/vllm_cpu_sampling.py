@@ -31,7 +31,7 @@ from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine 
 
 DRAFTER = ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"
 CHAIN = {"method": "moa", "model": str(DRAFTER), "num_speculative_tokens": 3}
-TREE = {**CHAIN, "num_speculative_tokens": 16, "moa_tree": {"depth": 5, "top_k": 4}}
+TREE = {**CHAIN, "num_speculative_tokens": 16, "moa_tree": {"depth": 5, "top_k": 4, "chain_if_faster": False}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 FIX = "VLLM_MOA_FIX_CPU_SAMPLER"
 # name -> (speculative_config, logprobs, environment)

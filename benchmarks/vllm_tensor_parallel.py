@@ -88,7 +88,7 @@ def main() -> None:
     methods = {"none": None,
                f"moa K={args.k}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": args.k},
                f"moa tree {args.tree}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": budget,
-                                         "moa_tree": {"depth": depth, "top_k": top_k}}}
+                                         "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}}
     layers, width = target_shape(target)
     rows, reference = [], None
     runs = [(tp, method) for tp in args.tp for method in methods]

@@ -172,7 +172,7 @@ def check_object_keys(field: str, value: Any, allowed: tuple[str, ...], example:
 
 TREE_FIELD = "moa_tree"  # speculative_config key (patches.TreeFieldPatch declares it on SpeculativeConfig)
 TREE_KEYS = ("depth", "top_k")  # required
-TREE_CHAIN_IF_FASTER = "chain_if_faster"  # optional, false by default (integration/tree_or_chain.py)
+TREE_CHAIN_IF_FASTER = "chain_if_faster"  # optional, true by default (integration/tree_or_chain.py)
 MAX_TREE_NODES = 64  # kernels.tree: a node's ancestors are one int64 bitmask
 
 
@@ -186,7 +186,7 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
     if moa_tree is None:
         return None
     check_object_keys(TREE_FIELD, moa_tree, (*TREE_KEYS, TREE_CHAIN_IF_FASTER), '{"depth": 5, "top_k": 4}', "it takes")
-    if not isinstance(moa_tree.get(TREE_CHAIN_IF_FASTER, False), bool):
+    if not isinstance(moa_tree.get(TREE_CHAIN_IF_FASTER, True), bool):
         raise UnsupportedMoASetup(f"{TREE_FIELD}.{TREE_CHAIN_IF_FASTER} must be true or false, "
                                   f"got {moa_tree[TREE_CHAIN_IF_FASTER]!r}")
     values = {}
@@ -219,9 +219,9 @@ def requested_tree(speculative_config: Any) -> Any:
 
 def requested_chain_if_faster(speculative_config: Any) -> bool:
     """Whether a MoA speculative_config's tree drafts the chain of its budget in the steps where
-    that measures faster (moa_tree.chain_if_faster; validated by tree_spec)."""
+    that measures faster (moa_tree.chain_if_faster, true unless set false; validated by tree_spec)."""
     moa_tree = getattr(speculative_config, TREE_FIELD, None)
-    return bool(moa_tree and moa_tree.get(TREE_CHAIN_IF_FASTER, False))
+    return moa_tree is not None and moa_tree.get(TREE_CHAIN_IF_FASTER, True) is True
 
 
 # -- retrieval (lookup drafts beside the model's) ------------------------------------------------

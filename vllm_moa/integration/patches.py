@@ -268,9 +268,9 @@ class _OptionalFieldPatch(VllmPatch):
 
         if attr in owner.__dataclass_fields__:
             raise PatchConflict(f"SpeculativeConfig already has a field {attr!r}")
-        # values stay what the user gave (pydantic's smart union: true stays a bool, 3 an int), and
-        # the plugin's own checks name any that do not fit (draft_config.tree_spec, retrieval_options)
-        annotation = Optional[dict[str, Union[bool, int]]]  # noqa: UP007, UP045 (a runtime type)
+        # values stay what the user gave (no coercion: true is not 1, "3" is not 3); the plugin's
+        # own checks name any that does not fit (draft_config.tree_spec, retrieval_options)
+        annotation = Optional[dict[str, Any]]  # noqa: UP045 (a runtime type)
         declared = dataclasses.field(default=None)
         declared.name, declared.type = attr, annotation
         declared._field_type = dataclasses._FIELD  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """Draft trees that run no slower than the chain of their budget: `"moa_tree": {"depth": 3,
-"top_k": 2, "chain_if_faster": true}`.
+"top_k": 2}` (`"chain_if_faster": true` by default; false drafts the tree at every step).
 
 A tree of B nodes accepts more per step than the chain of B tokens, but its step costs more: on
 vLLM's CPU engine the target recomputes the tree nodes' rows under the tree mask in every layer
@@ -7,7 +7,7 @@ and the step carries the tree's bookkeeping, while a chain is verified by vLLM a
 budgets the chain is then faster (SmolLM2, B = 4: the tree accepts 2.3% more and its step takes
 10-25% longer); at large ones the tree is (a chain of 16 is rarely accepted that far). Which side
 of that line a setup falls on depends on the machine, the target, the drafter and the load, so
-with `chain_if_faster` the proposer measures it: each step drafts either the tree or the chain of
+the proposer measures it: each step drafts either the tree or the chain of
 B tokens (grown through the same tree levels with top_k = 1: a chain-shaped tree, which vLLM
 verifies as a chain with no tree step), whichever has measured more tokens per second at the
 step's batch size (decoding/speed_control.FasterShape: both tried first, the other re-tried now

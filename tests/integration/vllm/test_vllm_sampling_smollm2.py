@@ -70,7 +70,8 @@ def tree_run():
     """One engine, MoA tree (depth 5, top-k 4, 16 nodes); every request asks for 2 logprobs."""
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
                                                              "num_speculative_tokens": 16,
-                                                             "moa_tree": {"depth": 5, "top_k": 4}},
+                                                             "moa_tree": {"depth": 5, "top_k": 4,
+                                                                                          "chain_if_faster": False}},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
                     sampling=[{"logprobs": 2}] * PLAIN, engine=ENGINE)
     return run_engine(run, timeout=1500, env=ENGINE_ENV)

@@ -124,7 +124,8 @@ def smollm2_run(speculation: str | None, tp: int):
                                                "num_speculative_tokens": 3}
     if speculation == "tree":
         budget, (depth, top_k) = SMOLLM2_TREE
-        config.update(num_speculative_tokens=budget, moa_tree={"depth": depth, "top_k": top_k})
+        config.update(num_speculative_tokens=budget, moa_tree={"depth": depth, "top_k": top_k,
+                                                                                "chain_if_faster": False})
     engine_kwargs = {"dtype": "float32", "max_model_len": 512, **({"tensor_parallel_size": tp} if tp > 1 else {})}
     run = EngineRun(target=smollm2()[0], speculative_config=config, prompts=[chat_prompt(p) for p in SMOLLM2_PROMPTS],
                     max_tokens=32, engine=engine_kwargs, tap_traffic=tp > 1 and config is not None)

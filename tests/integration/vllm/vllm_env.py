@@ -94,12 +94,11 @@ def first_difference(got, want) -> int:
 def moa(k: int, drafter: str = DRAFTER, tree: tuple | None = None,
         retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
     """speculative_config of MoA: a chain of k, or (tree = (depth, top_k[, chain_if_faster])) a
-    tree of k nodes; retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
+    tree of k nodes, drafted as a tree at every step unless chain_if_faster is given true (the
+    tests check trees); retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
     config = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
     if tree is not None:
-        config["moa_tree"] = {"depth": tree[0], "top_k": tree[1]}
-        if len(tree) > 2:
-            config["moa_tree"]["chain_if_faster"] = tree[2]
+        config["moa_tree"] = {"depth": tree[0], "top_k": tree[1], "chain_if_faster": tree[2] if len(tree) > 2 else False}
     if retrieval is not None:
         config["moa_retrieval"] = dict(retrieval)
     return config

@@ -199,7 +199,8 @@ def test_tree_config():
     assert tree_spec(None, 16, 1, "0.26.0") is None
     config = SimpleNamespace(moa_tree={"depth": 3, "top_k": 2, "chain_if_faster": True})
     assert requested_chain_if_faster(config)
-    assert not requested_chain_if_faster(SimpleNamespace(moa_tree={"depth": 3, "top_k": 2}))
+    assert requested_chain_if_faster(SimpleNamespace(moa_tree={"depth": 3, "top_k": 2}))  # the default
+    assert not requested_chain_if_faster(SimpleNamespace(moa_tree={"depth": 3, "top_k": 2, "chain_if_faster": False}))
     assert not requested_chain_if_faster(SimpleNamespace(moa_tree=None))
 
 
