@@ -231,12 +231,16 @@ class FasterShape:
     measure more tokens per second, per batch size: model-free, for engines that can time whole
     rounds but not their parts (vLLM's proposer sees one step begin after another).
 
-    At each batch size every shape is first tried `warmup` rounds; after that the best measured
-    shape is chosen, and every `probe_every`-th round the best of the others instead, so that an
-    estimate does not go stale (a text that changes, a batch that grows). A probe that leaves the
-    verdict as it was doubles that interval (up to `max_probe_every`); a verdict that changes
-    resets it. An estimate is tokens / seconds over the shape's rounds at that batch size, the
-    older ones fading by exp(-1 / memory_rounds) per newer round of the same shape."""
+    At each batch size every shape is first measured over `warmup` rounds; after that the best
+    measured shape is chosen, and every `probe_every`-th round the best of the others instead, so
+    that an estimate does not go stale (a text that changes, a batch that grows). A probe that
+    leaves the verdict as it was doubles that interval (up to `max_probe_every`); a verdict that
+    changes resets it. Until a batch size is measured, the verdict of the nearest measured one is
+    borrowed, and every `probe_every`-th round there the shape least measured at it is tried (a
+    batch shrinking as requests finish passes through many sizes, and rounds whose batch changed
+    cannot be priced); with nothing measured anywhere, the shapes take turns. An estimate is
+    tokens / seconds over the shape's rounds at that batch size, the older ones fading by
+    exp(-1 / memory_rounds) per newer round of the same shape."""
 
     def __init__(self, shapes: list[str], warmup: int = 2, probe_every: int = 16, max_probe_every: int = 128,
                  memory_rounds: float = 32.0) -> None:
@@ -246,6 +250,7 @@ class FasterShape:
         self.min_probe_every, self.max_probe_every = probe_every, max_probe_every
         self.fade = math.exp(-1.0 / memory_rounds)
         self.sums: dict[tuple[int, str], list[float]] = {}  # (batch, shape) -> [rounds, tokens, seconds]
+        self.tries: dict[tuple[int, str], int] = {}  # (batch, shape) -> rounds chosen, priced or not
         self.since_probe: dict[int, int] = {}
         self.probe_every: dict[int, int] = {}
         self.verdict: dict[int, str] = {}  # batch -> the best shape when last chosen
@@ -256,16 +261,30 @@ class FasterShape:
         sums = self.sums.get((batch, shape))
         return None if sums is None or sums[2] <= 0 else sums[1] / sums[2]
 
+    def measured(self, batch: int) -> bool:
+        """Whether every shape has `warmup` priced rounds at `batch` sequences."""
+        return all(self.sums.get((batch, s), [0])[0] >= self.warmup for s in self.shapes)
+
     def choose(self, batch: int) -> str:
         """The shape of the next round over `batch` sequences."""
-        shape = self._choose(batch)
+        shape = self._choose(batch) if self.measured(batch) else self._choose_unmeasured(batch)
         self.chosen[shape] += 1
+        self.tries[(batch, shape)] = self.tries.get((batch, shape), 0) + 1
         return shape
 
+    def _choose_unmeasured(self, batch: int) -> str:
+        short = [s for s in self.shapes if self.sums.get((batch, s), [0])[0] < self.warmup]
+        least = min(short, key=lambda s: (self.tries.get((batch, s), 0), self.sums.get((batch, s), [0])[0]))
+        nearest = min((b for b, _ in self.sums if self.measured(b)), key=lambda b: (abs(math.log(b / batch)), b),
+                      default=None)
+        if nearest is None:
+            return least  # nothing measured anywhere: the shapes take turns
+        self.since_probe[batch] = self.since_probe.get(batch, 0) + 1
+        if self.since_probe[batch] % self.min_probe_every == 0:
+            return least
+        return max(self.shapes, key=lambda s: self.rate(nearest, s) or 0.0)
+
     def _choose(self, batch: int) -> str:
-        untried = [s for s in self.shapes if self.sums.get((batch, s), [0])[0] < self.warmup]
-        if untried:
-            return min(untried, key=lambda s: self.sums.get((batch, s), [0])[0])
         ranked = sorted(self.shapes, key=lambda s: -(self.rate(batch, s) or 0.0))
         every = self.probe_every.setdefault(batch, self.min_probe_every)
         if self.verdict.get(batch) not in (None, ranked[0]):

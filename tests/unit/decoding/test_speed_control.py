@@ -148,3 +148,19 @@ def test_faster_shape_keeps_a_verdict_per_batch_size():
     assert chooser.choose(1) == "tree" and chooser.choose(16) == "chain"
     with pytest.raises(ValueError, match="two or more distinct shapes"):
         FasterShape(["tree"])
+
+
+def test_faster_shape_borrows_the_nearest_measured_batch_size():
+    """A batch shrinking as requests finish passes through sizes whose rounds are never priced
+    (the batch changed in between): there the verdict of the nearest measured size holds, instead
+    of trying the unmeasured shapes round after round. With nothing measured anywhere, the shapes
+    take turns, priced or not."""
+    chooser = FasterShape(["tree", "chain"])
+    for _ in range(100):  # batch 16 measured: the chain is faster
+        shape = chooser.choose(16)
+        chooser.observe(16, shape, 16.0, 16.0 / {"tree": 60.0, "chain": 100.0}[shape])
+    tail = [chooser.choose(b) for b in (15, 14, 13, 12) for _ in range(8)]  # never priced
+    assert tail.count("chain") == len(tail)
+    assert [chooser.choose(12) for _ in range(8)].count("tree") == 1  # the 16th round at 12: a try
+    fresh = FasterShape(["tree", "chain"])
+    assert [fresh.choose(3) for _ in range(6)] == ["tree", "chain"] * 3
