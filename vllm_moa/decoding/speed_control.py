@@ -235,10 +235,10 @@ class FasterShape:
     measured shape is chosen, and every `probe_every`-th round the best of the others instead, so
     that an estimate does not go stale (a text that changes, a batch that grows). A probe that
     leaves the verdict as it was doubles that interval (up to `max_probe_every`); a verdict that
-    changes resets it. Until a batch size is measured, the verdict of the nearest measured one is
-    borrowed, and every `probe_every`-th round there the shape least measured at it is tried (a
-    batch shrinking as requests finish passes through many sizes, and rounds whose batch changed
-    cannot be priced); with nothing measured anywhere, the shapes take turns. An estimate is
+    changes resets it. Until a batch size is measured, the verdict of the nearest measured one
+    within a factor of 2 is borrowed, and every `probe_every`-th round there the shape least
+    measured at it is tried (a batch shrinking as requests finish passes through many sizes, and
+    rounds whose batch changed cannot be priced); with none that near, the shapes take turns. An estimate is
     tokens / seconds over the shape's rounds at that batch size, the older ones fading by
     exp(-1 / memory_rounds) per newer round of the same shape."""
 
@@ -275,10 +275,10 @@ class FasterShape:
     def _choose_unmeasured(self, batch: int) -> str:
         short = [s for s in self.shapes if self.sums.get((batch, s), [0])[0] < self.warmup]
         least = min(short, key=lambda s: (self.tries.get((batch, s), 0), self.sums.get((batch, s), [0])[0]))
-        nearest = min((b for b, _ in self.sums if self.measured(b)), key=lambda b: (abs(math.log(b / batch)), b),
-                      default=None)
+        near = [b for b, _ in self.sums if self.measured(b) and abs(math.log(b / batch)) <= math.log(2)]
+        nearest = min(near, key=lambda b: (abs(math.log(b / batch)), b), default=None)
         if nearest is None:
-            return least  # nothing measured anywhere: the shapes take turns
+            return least  # nothing measured within a factor of 2: the shapes take turns
         self.since_probe[batch] = self.since_probe.get(batch, 0) + 1
         if self.since_probe[batch] % self.min_probe_every == 0:
             return least

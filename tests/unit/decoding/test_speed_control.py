@@ -153,8 +153,8 @@ def test_faster_shape_keeps_a_verdict_per_batch_size():
 def test_faster_shape_borrows_the_nearest_measured_batch_size():
     """A batch shrinking as requests finish passes through sizes whose rounds are never priced
     (the batch changed in between): there the verdict of the nearest measured size holds, instead
-    of trying the unmeasured shapes round after round. With nothing measured anywhere, the shapes
-    take turns, priced or not."""
+    of trying the unmeasured shapes round after round. With nothing measured within a factor of
+    2, the shapes take turns, priced or not."""
     chooser = FasterShape(["tree", "chain"])
     for _ in range(100):  # batch 16 measured: the chain is faster
         shape = chooser.choose(16)
@@ -162,5 +162,6 @@ def test_faster_shape_borrows_the_nearest_measured_batch_size():
     tail = [chooser.choose(b) for b in (15, 14, 13, 12) for _ in range(8)]  # never priced
     assert tail.count("chain") == len(tail)
     assert [chooser.choose(12) for _ in range(8)].count("tree") == 1  # the 16th round at 12: a try
+    assert [chooser.choose(4) for _ in range(4)] == ["tree", "chain"] * 2  # 16 is too far from 4 to tell
     fresh = FasterShape(["tree", "chain"])
     assert [fresh.choose(3) for _ in range(6)] == ["tree", "chain"] * 3
