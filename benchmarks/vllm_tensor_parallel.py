@@ -142,7 +142,8 @@ def plot(record: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        values = [next(r["tokens_per_s"] for r in rows if r["tp"] == tp and r["method"] == method) for tp in tps]
+        values = [next((r["tokens_per_s"] for r in rows if r["tp"] == tp and r["method"] == method), 0.0)
+                  for tp in tps]  # 0: not run at that TP (the lean collectives at TP = 1)
         left.bar([x + i * width for x in range(len(tps))], values, width, label=method)
     left.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(tps))], [f"TP={tp}" for tp in tps])
     left.set_ylabel("output tokens/s (2 cores)")
