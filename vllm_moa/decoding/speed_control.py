@@ -254,7 +254,6 @@ class FasterShape:
         self.since_probe: dict[int, int] = {}
         self.probe_every: dict[int, int] = {}
         self.verdict: dict[int, str] = {}  # batch -> the best shape when last chosen
-        self.chosen: dict[str, int] = dict.fromkeys(shapes, 0)  # shape -> rounds (for reports)
 
     def rate(self, batch: int, shape: str) -> float | None:
         """Measured tokens per second of `shape` at `batch` sequences (None before any round)."""
@@ -268,7 +267,6 @@ class FasterShape:
     def choose(self, batch: int) -> str:
         """The shape of the next round over `batch` sequences."""
         shape = self._choose(batch) if self.measured(batch) else self._choose_unmeasured(batch)
-        self.chosen[shape] += 1
         self.tries[(batch, shape)] = self.tries.get((batch, shape), 0) + 1
         return shape
 

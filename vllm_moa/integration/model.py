@@ -262,6 +262,7 @@ class MoADraftModel(nn.Module):
             self.draft_vocab = None
         self._draft_vocab_rows: tuple[tuple[int, int, int], nn.Linear] | None = None  # (weights' key, [N, E] head)
         self.tap_traffic = tensor_parallel.TapTraffic()  # the tap's all-gathers (tensor parallelism)
+        self.tap_fp8 = tensor_parallel.tp_options()[1] == "fp8"  # VLLM_MOA_TP_TAP_DTYPE, read once
 
     # -- the draft loop ---------------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
@@ -391,7 +392,8 @@ class MoADraftModel(nn.Module):
                 self.tap_traffic.add_tokens(token_ids[keep], row_positions)
             full = tensor_parallel.gather_full_rows(local, self.config.target_signature.num_kv_heads,
                                                     self.tap_traffic, step_tokens,
-                                                    self.config.target_signature.head_dim)  # [A, L, H_kv * 2d]
+                                                    self.config.target_signature.head_dim,
+                                                    self.tap_fp8)  # [A, L, H_kv * 2d]
             rows = self.lsa(full)
         rows = self.lsa.add_final_hidden(rows, final_hidden)
         k, v = self.model.ca.row_keys_values(rows, row_positions)

@@ -180,18 +180,17 @@ def tp_size() -> int:
 
 
 def gather_full_rows(local: Tensor, total_kv_heads: int, traffic: TapTraffic, step_tokens: int,
-                     head_dim: int) -> Tensor:
+                     head_dim: int, fp8: bool = False) -> Tensor:
     """local [A, L, H_local * 2d] (this rank's KV heads of each tapped layer, for the A verified
     tokens of a step of `step_tokens`) -> [A, L, H_kv * 2d], every rank's heads in head order
-    (kernels.paged.gather_layer_rows' layout); as float8 codes and scales with
-    VLLM_MOA_TP_TAP_DTYPE=fp8 (one collective either way)."""
+    (kernels.paged.gather_layer_rows' layout); as float8 codes and scales with `fp8`
+    (VLLM_MOA_TP_TAP_DTYPE=fp8, read once by the model; one collective either way)."""
     from vllm.distributed import tensor_model_parallel_all_gather
 
     size = tp_size()
     if size == 1:
         return local
     traffic.tp_size = size
-    fp8 = tp_options()[1] == "fp8"
     sent = pack_fp8(local, head_dim) if fp8 else local.contiguous()  # [A, L, m]
     traffic.record(step_tokens, local.shape[0], sent.numel() * sent.element_size())
     gathered = tensor_model_parallel_all_gather(sent, dim=-1)  # [A, L, t * m]
