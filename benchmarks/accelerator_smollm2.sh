@@ -9,7 +9,9 @@
 #        switch to a branch without them for the two calls (git rm -r benchmarks/results
 #        vllm_moa/assets; commit; git checkout main afterwards), so that tree + carry fit.
 #   2. device call 1, carry [".gpu/whl", ".gpu/a", ".gpu/shipped/eagle", ".gpu/setup.sh"]:
-#        [KERNEL_TESTS=1] benchmarks/accelerator_smollm2.sh receive   # + the Triton kernel tests on the GPU
+#        [KERNEL_TESTS=1] [BENCH_KERNELS=1 CODE_COMMIT=<commit>] benchmarks/accelerator_smollm2.sh receive
+#        (+ the Triton kernel tests on the GPU, + benchmarks/bench_kernels.py; .gpu/shipped/eagle only
+#        when EAGLE-style trains in call 2)
 #   3. device call 2 (within the machine's idle window), carry [".gpu/b", ".gpu/shipped/moa-tli0",
 #      ".gpu/setup.sh"]:
 #        SECONDS_BUDGET=540 CODE_COMMIT=<main's commit> [NAMES="moa-tli0 moa-tli1 eagle"] \
@@ -51,10 +53,15 @@ SETUP
     ;;
 receive)
     source .gpu/setup.sh
-    mkdir -p "$STAGE/shipped" && cp .gpu/a "$STAGE/a" && cp -r .gpu/shipped/eagle "$STAGE/shipped/"
+    mkdir -p "$STAGE/shipped" && cp .gpu/a "$STAGE/a"
+    [ -d .gpu/shipped/eagle ] && cp -r .gpu/shipped/eagle "$STAGE/shipped/"  # carried only to train it
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     if [ -n "${KERNEL_TESTS:-}" ]; then  # each Triton kernel against its PyTorch twin, on the GPU
         timeout 100 python3 -m pytest -q -p no:cacheprovider tests/unit/kernels 2>&1 | tee "${OUT:-/tmp}/kernels_gpu.log" | tail -3
+    fi
+    if [ -n "${BENCH_KERNELS:-}" ]; then  # the Triton kernels against their twins and dense SDPA
+        timeout "${BENCH_KERNELS_SECONDS:-240}" python3 -m benchmarks.bench_kernels --dtype bf16 \
+            --code-commit "${CODE_COMMIT:-unknown}" --out "${OUT:-/tmp}/bench_kernels_gpu.json" 2>&1 | tail -40
     fi
     ;;
 run)

@@ -43,6 +43,16 @@ def _needs_gpu_message() -> str:
             "Triton interpreter; its timings are meaningless).")
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def _bench(fn, smoke: bool) -> float:
     """Median milliseconds of fn()."""
     import torch
@@ -239,6 +249,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device; numbers are not benchmarks")
     parser.add_argument("--only", choices=["lsa", "tree"], action="append", help="run only these")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
+    parser.add_argument("--code-commit", default=None,
+                        help="the commit the code is, where it runs without .git (a device copy)")
     args = parser.parse_args(argv)
 
     import torch
@@ -285,6 +297,7 @@ def main(argv=None) -> int:
         capability=".".join(map(str, torch.cuda.get_device_capability(device))) if has_cuda else None,
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
         python=platform.python_version(), dtype=args.dtype, smoke=args.smoke,
+        commit=args.code_commit or _git_commit(),
         timestamp=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         timing="triton.testing.do_bench median (ms)" if not args.smoke else "single call (smoke, meaningless)",
     )
