@@ -62,6 +62,8 @@ def vllm_cpu(session: nox.Session) -> None:
     # ("operator torchvision::nms does not exist"); text models need none of them
     session.run_install("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("--no-deps", "-e", ".")
+    # the client-server tests over the vLLM backend: the serve extra's one package vLLM lacks
+    session.install("tenacity==9.2.1")
     # the sampling tests read the converted SmolLM2 from VLLM_MOA_CACHE (`vllm-moa fetch smollm2`,
     # which the main suite runs; they skip with a reason without it)
     session.run(*PLUGIN_TESTS, "--durations=15")

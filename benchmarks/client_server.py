@@ -67,6 +67,9 @@ CLIENTS = {  # name -> (drafter, sync encoding, tree width: EAGLE-2-style trees,
     "independent": ("independent", "fp16", 4),
     "api": (None, "fp16", None),
 }
+VLLM_CLIENTS = ("moa", "moa-chain", "eagle", "api")
+VLLM_RTTS = (10, 50)
+VLLM_ENGINE = {"max_model_len": 1024, "block_size": 32}  # CPU_ATTN: blocks of a multiple of 32
 OFFLINE_DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
 HORIZONS = (16, 64, 256)
 
@@ -77,16 +80,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, min_forward_ms: float = 0.0) -> subprocess.Popen:
+def start_server(port: int, min_forward_ms: float = 0.0, backend: str = "transformers") -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_MOA_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
-                             "--log-level", "warning", "--max-sessions-per-client", "256",
-                             "--min-forward-ms", str(min_forward_ms)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
+               "--log-level", "warning", "--max-sessions-per-client", "256"]
+    if backend == "vllm":  # vLLM's engine (its own CPU threads); its log goes to a file, not a pipe
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        command += ["--backend", "vllm", "--vllm-engine-args", json.dumps(VLLM_ENGINE)]
+    else:
+        command += ["--min-forward-ms", str(min_forward_ms)]
+    log = open(ROOT / "runs" / f"client_server_server_{port}.log", "w") if backend == "vllm" else subprocess.PIPE
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     import httpx
 
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
@@ -94,7 +102,7 @@ def start_server(port: int, min_forward_ms: float = 0.0) -> subprocess.Popen:
         except httpx.TransportError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start: {proc.stderr.read() if proc.stderr else ''}")
+            raise RuntimeError(f"server did not start: {proc.stderr.read() if proc.stderr else log.name}")
         time.sleep(0.2)
 
 
@@ -108,9 +116,9 @@ def load_models():
 
 
 def run_latency(sim, target, drafters, prompts, expected, tokens, clients=tuple(CLIENTS), bandwidths=BANDWIDTHS,
-                server="demo") -> list[dict]:
+                server="demo", rtts=RTTS) -> list[dict]:
     rows = []
-    grid = [(rtt, bw, name, i) for rtt in RTTS for bw in bandwidths for name in clients for i in range(len(prompts))]
+    grid = [(rtt, bw, name, i) for rtt in rtts for bw in bandwidths for name in clients for i in range(len(prompts))]
     for rtt, bw, name, i in tqdm(grid, desc=f"latency grid ({server} target)", unit="run"):
         sim.set_conditions(LinkConditions(rtt_ms=rtt, bandwidth_mbit=bw))
         kind, encoding, width = CLIENTS[name]
@@ -309,9 +317,19 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (last tokens of each prompt)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--offline-prompts", type=int, default=8, help="held-out prompts in the disconnection test")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "client_server_cpu.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/client_server_cpu.json (_vllm with --backend vllm)")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
+                        help="the server's target backend; vllm: the latency grid at RTT 10 / 50 ms, 100 Mbit/s "
+                             "against `vllm-moa serve --backend vllm` (needs vLLM), the MoA, EAGLE-style and "
+                             "API-only clients")
     args = parser.parse_args()
+    if args.out is None:
+        name = "client_server_cpu_vllm.json" if args.backend == "vllm" else "client_server_cpu.json"
+        args.out = ROOT / "benchmarks" / "results" / name
     prov = run_provenance(args)  # at start: the code that runs
+    if args.backend == "vllm":
+        return main_vllm(args, prov)
     torch.set_num_threads(1)
     target, drafters = load_models()
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
@@ -345,6 +363,69 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
     plot(summary, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=2))
+
+
+def main_vllm(args, prov: dict) -> None:
+    """The latency grid against the vLLM backend (the same prompts, outputs checked likewise)."""
+    torch.set_num_threads(1)
+    target, drafters = load_models()
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
+    prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts][: args.prompts]
+    expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in prompts]
+    started = time.perf_counter()
+    (ROOT / "runs").mkdir(exist_ok=True)
+    port = _free_port()
+    server = start_server(port, backend="vllm")
+    try:
+        with NetSimProcess(port, seed=2) as sim:
+            latency = run_latency(sim, target, drafters, prompts, expected, args.tokens, VLLM_CLIENTS, (100,),
+                                  server="vllm", rtts=VLLM_RTTS)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    summary = {}
+    for name in VLLM_CLIENTS:
+        for rtt in VLLM_RTTS:
+            sel = [r for r in latency if r["client"] == name and r["rtt_ms"] == rtt]
+            summary[f"{name}/rtt={rtt}ms/bw=100Mbit"] = _stats(sel)
+    for rtt in VLLM_RTTS:
+        api = summary[f"api/rtt={rtt}ms/bw=100Mbit"]["ms_per_token"]
+        for name in VLLM_CLIENTS:
+            row = summary[f"{name}/rtt={rtt}ms/bw=100Mbit"]
+            row["speedup_vs_api"] = round(api / row["ms_per_token"], 3)
+    prov["config"] = {**prov["config"], "backend": "vllm", "engine": VLLM_ENGINE, "rtt_ms": VLLM_RTTS,
+                      "bandwidth_mbit": [100], "clients": VLLM_CLIENTS}
+    result = {"summary": {"latency_vllm": summary}, "latency_rows": latency,
+              "wall_seconds": round(time.perf_counter() - started, 1), "provenance": prov}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    _plot_vllm(summary, args.out.with_suffix(".png"))
+    print(json.dumps(summary, indent=2))
+
+
+def _plot_vllm(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(VLLM_CLIENTS)
+    for j, name in enumerate(VLLM_CLIENTS):
+        rows = [summary[f"{name}/rtt={rtt}ms/bw=100Mbit"] for rtt in VLLM_RTTS]
+        xs = [k + j * width for k in range(len(VLLM_RTTS))]
+        axes[0].bar(xs, [r["ms_per_token"] for r in rows], width, label=name)
+        axes[1].bar(xs, [r["speedup_vs_api"] for r in rows], width, label=name)
+    for ax, title in ((axes[0], "end-to-end ms per token (median)"), (axes[1], "speed against the plain API call")):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(VLLM_RTTS))], [f"RTT {r} ms" for r in VLLM_RTTS])
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    fig.suptitle("Client-server over vLLM's CPU engine (vllm-moa serve --backend vllm; demo models, loopback netsim, "
+                 "100 Mbit/s); all outputs = target greedy", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ Backend
 Everything imports without Triton; only calls that resolve to Triton need it.
 """
 
-from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, use_triton
+from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, lsa_triton_max_tokens, use_triton
 from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
 from .paged import (
     LAYOUTS,
@@ -84,5 +84,6 @@ __all__ = [
     "gather_blocks",
     "tree_attention_triton",
     "use_triton",
+    "lsa_triton_max_tokens",
     "write_slots",
 ]

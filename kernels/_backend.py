@@ -21,6 +21,11 @@ import torch
 
 ENV_VAR = "VLLM_MOA_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
+# auto: LSA over more tokens than this runs as the PyTorch twin on GPUs too. On an H200 (bf16,
+# benchmarks/results/bench_kernels_h200_quick.json) the Triton LSA is 1.6-4.8x the twin at 1-128
+# tokens and 0.71-0.94x at 1024 (its gather-GEMM reaches ~75 TFLOP/s; cuBLAS's dense GEMM more).
+LSA_TOKENS_ENV = "VLLM_MOA_LSA_TRITON_MAX_TOKENS"
+LSA_TRITON_MAX_TOKENS = 256
 
 try:  # Triton has no wheels outside Linux; the twins run there.
     import triton  # noqa: F401
@@ -42,6 +47,16 @@ def kernel_backend(backend: str | None = None) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"{ENV_VAR} / backend must be one of {', '.join(BACKENDS)}, got {choice!r}")
     return choice
+
+
+def lsa_triton_max_tokens() -> int:
+    """Under "auto", the most tokens one LSA call runs in Triton ($VLLM_MOA_LSA_TRITON_MAX_TOKENS)."""
+    raw = os.environ.get(LSA_TOKENS_ENV, "").strip()
+    if not raw:
+        return LSA_TRITON_MAX_TOKENS
+    if not raw.isdigit():
+        raise ValueError(f"{LSA_TOKENS_ENV} must be a whole number of tokens, got {raw!r}")
+    return int(raw)
 
 
 def use_triton(device: torch.device | str | None = None, backend: str | None = None) -> bool:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._backend import dot_in_fp32, load_triton_module, use_triton
+from ._backend import dot_in_fp32, kernel_backend, load_triton_module, lsa_triton_max_tokens, use_triton
 from .paged import Layout, PagedLayers, gather_layer_rows
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -291,8 +291,11 @@ def lsa_attention(lsa: nn.Module, caches: Sequence[Tensor] | Tensor, slots: Tens
                   backend: str | None = None) -> Tensor:
     """LSA rows [N, E] of token `slots` from paged caches: ``lsa_rows_from_paged`` (Triton) or
     ``lsa_attention_reference`` (PyTorch), as ``use_triton`` decides for the caches' device
-    ($VLLM_MOA_KERNELS, or `backend`)."""
+    ($VLLM_MOA_KERNELS, or `backend`); under "auto", calls over more than
+    $VLLM_MOA_LSA_TRITON_MAX_TOKENS tokens (default 256: prefill) take the twin, which is faster
+    there on an H200."""
     first = caches[0] if not isinstance(caches, Tensor) else caches
-    if use_triton(first.device, backend):
+    large = kernel_backend(backend) == "auto" and slots.numel() > lsa_triton_max_tokens()
+    if not large and use_triton(first.device, backend):
         return lsa_rows_from_paged(lsa, caches, slots, layout=layout, chunk_tokens=chunk_tokens)
     return lsa_attention_reference(lsa, caches, slots, layout=layout, chunk_tokens=chunk_tokens)

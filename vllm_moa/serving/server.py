@@ -127,7 +127,10 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
                                f"{limits.max_prompt_tokens}", status=413)
 
     @app.get("/v1/health")
-    async def health() -> dict:  # async: answered on the event loop, never behind busy workers
+    async def health():  # async: answered on the event loop, never behind busy workers
+        problem = backend.healthy()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "error": problem, "protocol": PROTOCOL}, status_code=503)
         return {"status": "ok", "protocol": PROTOCOL}
 
     @app.get("/metrics", response_class=Response, responses=_ERRORS)

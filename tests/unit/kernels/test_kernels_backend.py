@@ -48,3 +48,27 @@ def test_public_api():
                  "tree_attention_reference", "tree_attention_triton", "tree_ancestor_masks", "use_triton"):
         assert name in kernels.__all__ and callable(getattr(kernels, name))
         assert getattr(kernels, name).__doc__
+
+
+def test_auto_sends_large_lsa_calls_to_the_twin(monkeypatch):
+    """Under auto, LSA over more than VLLM_MOA_LSA_TRITON_MAX_TOKENS tokens runs as the twin even
+    where Triton would run (GPUs): it is faster there (bench_kernels on an H200); forced triton
+    keeps Triton at any size."""
+    from vllm_moa.kernels import lsa
+
+    calls = []
+    monkeypatch.setattr(lsa, "use_triton", lambda device, backend=None: True)
+    monkeypatch.setattr(lsa, "lsa_rows_from_paged", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(lsa, "lsa_attention_reference", lambda *a, **k: calls.append("twin"))
+    caches = [torch.zeros(1)]
+    for n in (1, 256, 257, 4096):
+        lsa.lsa_attention(None, caches, torch.zeros(n, dtype=torch.long))
+    lsa.lsa_attention(None, caches, torch.zeros(4096, dtype=torch.long), backend="triton")
+    assert calls == ["triton", "triton", "twin", "twin", "triton"]
+    monkeypatch.setenv("VLLM_MOA_LSA_TRITON_MAX_TOKENS", "4096")
+    calls.clear()
+    lsa.lsa_attention(None, caches, torch.zeros(4096, dtype=torch.long))
+    assert calls == ["triton"]
+    monkeypatch.setenv("VLLM_MOA_LSA_TRITON_MAX_TOKENS", "many")
+    with pytest.raises(ValueError, match="VLLM_MOA_LSA_TRITON_MAX_TOKENS must be a whole number"):
+        lsa.lsa_attention(None, caches, torch.zeros(4, dtype=torch.long))

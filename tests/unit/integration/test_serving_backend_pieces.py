@@ -1,0 +1,70 @@
+"""The vLLM client-server backend's pieces that need no engine: the worker's capture of a
+request's positions (chunked, partly served from the prefix cache), its transport as bytes, a
+tree's root-to-leaf paths, and the per-node view that acceptance and the sync read. The engine
+itself: tests/integration/vllm/test_vllm_serving_backend.py."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.integration.serving_backend import _root_to_leaf_paths, _RoundView
+from vllm_moa.integration.verify_service import Capture, pack, unpack
+
+
+def _fill(capture: Capture, positions, layers=2, heads=1, dim=3, width=4, vocab=5):
+    for p in positions:
+        capture.hidden[p] = torch.full((width,), float(p))
+        capture.keys[p] = torch.full((layers, heads, dim), float(p))
+        capture.values[p] = torch.full((layers, heads, dim), -float(p))
+        if p >= capture.logits_from:
+            capture.argmax[p] = p % vocab
+            if capture.want_logits:
+                capture.logits[p] = torch.arange(vocab, dtype=torch.float32) + p
+
+
+def test_capture_lists_what_was_computed_in_position_order():
+    capture = Capture(prompt_len=10, rows_from=6, logits_from=7, want_logits=True)
+    _fill(capture, [9, 8])  # a later chunk first
+    _fill(capture, [6])  # position 7 was served from the prefix cache: never computed
+    out = capture.result()
+    assert out["row_positions"] == [6, 8, 9] and out["head_positions"] == [8, 9]
+    assert out["argmax"] == [3, 4]
+    assert unpack(out["hidden"])[:, 0].tolist() == [6.0, 8.0, 9.0]
+    keys = unpack(out["keys"])  # [L, n, H_kv, d]
+    assert keys.shape == (2, 3, 1, 3) and keys[:, 1].eq(8.0).all() and unpack(out["values"])[:, 2].eq(-9.0).all()
+    assert unpack(out["logits"]).shape == (2, 5)
+
+
+def test_pack_round_trips_float32_tensors_as_bytes():
+    x = torch.randn(3, 4, 5)
+    packed = pack(x)
+    assert isinstance(packed["data"], bytes) and torch.equal(unpack(packed), x)
+
+
+def test_root_to_leaf_paths_cover_every_node_in_order():
+    #        0
+    #      1   2
+    #     3 4    5
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14, 15]), [-1, 0, 0, 1, 1, 2], [0, 1, 1, 2, 2, 2], [-1] * 6)
+    assert _root_to_leaf_paths(tree) == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    chain = DraftTree(torch.tensor([1, 2, 3]), [-1, 0, 1], [0, 1, 2], [-1] * 3)
+    assert _root_to_leaf_paths(chain) == [[0, 1, 2]]
+
+
+def test_round_view_takes_each_node_from_any_path_that_computed_it():
+    paths = [[0, 1, 3], [0, 1, 4]]
+    seq = 5
+    first = Capture(prompt_len=seq + 3, rows_from=seq, logits_from=seq, want_logits=False)
+    _fill(first, [seq, seq + 1, seq + 2])
+    second = Capture(prompt_len=seq + 3, rows_from=seq, logits_from=seq, want_logits=False)
+    _fill(second, [seq + 2])  # its shared nodes came from the prefix cache
+    view = _RoundView(want_logits=False)
+    node_of = lambda p, pos: paths[p][pos - seq]  # noqa: E731
+    view.add(0, first.result(), node_of)
+    view.add(1, second.result(), node_of)
+    assert sorted(view.rows) == sorted(view.heads) == [0, 1, 3, 4]
+    out = view.target_output([0, 1, 4])  # the accepted path
+    assert len(out.keys) == 2 and out.keys[0].shape == (1, 1, 3, 3)  # L x [1, H_kv, n, d]
+    assert out.keys[0][0, 0, :, 0].tolist() == [5.0, 6.0, 7.0]  # node 4: position 7 of the second prompt
+    assert out.hidden_states[-1].shape == (1, 3, 4) and out.hidden_states[0] is None

@@ -1,0 +1,359 @@
+"""`vllm-moa serve --backend vllm`: the client-server target on vLLM's engine.
+
+A verification round is one vLLM request: prompt = the session's verified tokens + the round's
+root + the client's draft, one token generated (ignored). Prefix caching serves the verified
+prefix, so a round computes its draft and the partial block before it; rounds of all sessions
+(and plain generations) are batched by vLLM's scheduler step by step. The worker hook
+(verify_service.py) returns the target's argmax (and logits, when sampling) at the draft's
+positions and the per-layer K/V and final hidden states there; acceptance and the drafter's sync
+payload are the transformers backend's own (`SessionBackend`), so both servers answer a client
+alike. A tree is verified as its root-to-leaf paths, one request each, in the same steps.
+
+vLLM keeps nothing per session: a cut or a rewind is a different prompt. A round whose draft
+positions were served from the prefix cache (the same draft verified again after a lost answer)
+is run again without reading the cache (`counters["recomputes"]`).
+
+One thread owns the engine (`EngineDriver`): it adds requests, steps and hands outputs to the
+callers' queues; if the engine dies, every call in flight and after gets a 503 and
+`/v1/health` says so. Tensor parallelism is refused (each rank would hold a share of the KV heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.integration.signature import signature_from_hf_config
+from vllm_moa.integration.verify_service import VERIFY_ARG, unpack
+from vllm_moa.models import Drafter
+from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
+from vllm_moa.serving.protocol import GenerateRequest, OpenRequest, SyncPayload
+from vllm_moa.target import TargetOutput
+
+WORKER_EXTENSION = "vllm_moa.integration.verify_service.VerifyWorkerExtension"
+ROUND_TIMEOUT_S = 600.0  # a round (or a generation's next token) that takes longer: 503
+
+
+class EngineStopped(BackendError):
+    status = 503
+
+
+class _Waiter:
+    """One request in flight: the driver puts ("tokens", ids, finished), ("capture", dict) or
+    ("error", message, status) on its queue."""
+
+    def __init__(self, verify: bool) -> None:
+        self.key = uuid.uuid4().hex
+        self.verify = verify
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def get(self, driver: EngineDriver) -> tuple:
+        """The next item; EngineStopped as soon as the engine is found dead (checked each second)."""
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while True:
+            try:
+                item = self.queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                problem = driver.problem()
+                if problem is not None:
+                    raise EngineStopped(f"the vLLM engine stopped: {problem}") from None
+                if time.monotonic() > deadline:
+                    raise EngineStopped(f"the vLLM engine gave no answer in {ROUND_TIMEOUT_S:.0f} s") from None
+        if item[0] == "error":
+            raise (EngineStopped if item[2] == 503 else BackendError)(item[1])
+        return item
+
+
+class EngineDriver:
+    """vLLM's LLMEngine, owned by one thread."""
+
+    def __init__(self, engine_args: Any) -> None:
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        if not all(self.engine.collective_rpc("moa_verify_install")):
+            raise RuntimeError("the vLLM workers did not install the verification hook")
+        self.error: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: dict[str, _Waiter] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-moa-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, waiter: _Waiter, prompt: list[int], params: Any) -> _Waiter:
+        if self.problem() is not None:
+            raise EngineStopped(f"the vLLM engine stopped: {self.error}")
+        self._inbox.put(("add", waiter, prompt, params))
+        return waiter
+
+    def problem(self) -> str | None:
+        """None while the engine runs; else what stopped it (also noticed while idle: vLLM's
+        client knows when its engine-core process has died)."""
+        if self.error is None:
+            ensure_alive = getattr(self.engine.engine_core, "ensure_alive", None)  # multiprocess clients
+            if ensure_alive is not None:
+                try:
+                    ensure_alive()
+                except Exception as err:  # EngineDeadError
+                    self.error = f"{type(err).__name__}: {err}"
+        return self.error
+
+    def abort(self, waiter: _Waiter) -> None:
+        self._inbox.put(("abort", waiter))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=30)
+        self.engine.engine_core.shutdown()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as err:  # the engine is gone: fail everything, now and later
+            self.error = f"{type(err).__name__}: {err}"
+            for waiter in self._waiting.values():
+                waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
+            self._waiting.clear()
+            while not self._inbox.empty():
+                item = self._inbox.get()
+                if item[0] == "add":
+                    item[1].queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
+
+    def _drain(self, block: bool) -> None:
+        from vllm.inputs import TokensPrompt
+
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if item[0] == "add":
+                _, waiter, prompt, params = item
+                try:
+                    self.engine.add_request(waiter.key, TokensPrompt(prompt_token_ids=prompt), params)
+                except (ValueError, TypeError) as err:  # vLLM's own validation of one request
+                    waiter.queue.put(("error", f"vLLM refused the request: {err}", 400))
+                    continue
+                except BaseException as err:  # the engine itself failed: this caller is told too
+                    waiter.queue.put(("error", f"the vLLM engine stopped: {type(err).__name__}: {err}", 503))
+                    raise
+                self._waiting[waiter.key] = waiter
+            elif item[0] == "abort" and self._waiting.pop(item[1].key, None) is not None:
+                self.engine.abort_request([item[1].key])
+
+    def _step(self) -> None:
+        finished = []
+        for out in self.engine.step():
+            waiter = self._waiting.get(out.request_id)
+            if waiter is None:
+                continue
+            if waiter.verify:
+                if out.finished:
+                    finished.append(self._waiting.pop(out.request_id))
+                continue
+            waiter.queue.put(("tokens", list(out.outputs[0].token_ids), out.finished))
+            if out.finished:
+                del self._waiting[out.request_id]
+        if finished:
+            captures = self.engine.collective_rpc("moa_verify_take", args=([w.key for w in finished],))[0]
+            for waiter in finished:
+                capture = captures.get(waiter.key)
+                if capture is None:
+                    waiter.queue.put(("error", "the vLLM worker kept no capture of this round", 503))
+                else:
+                    waiter.queue.put(("capture", capture))
+
+
+class VLLMBackend(SessionBackend):
+    name = "vllm"
+
+    def __init__(self, target_dir: str | Path, drafters: dict[str, Drafter] | None = None,
+                 target_name: str | None = None, **engine: Any) -> None:
+        from transformers import AutoConfig
+        from vllm.engine.arg_utils import EngineArgs
+
+        if int(engine.get("tensor_parallel_size", 1)) != 1 or int(engine.get("pipeline_parallel_size", 1)) != 1:
+            raise BackendError("the vLLM client-server backend runs the target on one device (tensor and pipeline "
+                               "parallel size 1): each rank would hold a share of the KV heads the sync reads")
+        hf_config = AutoConfig.from_pretrained(target_dir)
+        signature = signature_from_hf_config(hf_config, target_dir)
+        if target_name:
+            signature = dataclasses.replace(signature, name=target_name)
+        engine = {"dtype": "float32", "enable_prefix_caching": True, **engine}
+        args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
+                          **engine)
+        self.driver = EngineDriver(args)
+        context = self.driver.engine.vllm_config.model_config.max_model_len
+        super().__init__(signature, hf_config.vocab_size, context, drafters)
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
+                        target_name: str | None = None, **engine: Any) -> VLLMBackend:
+        from vllm_moa.models import load_drafter
+
+        drafters = {name: load_drafter(path).eval() for name, path in (drafter_dirs or {}).items()}
+        return cls(target_dir, drafters, target_name, **engine)
+
+    def healthy(self) -> str | None:
+        problem = self.driver.problem()
+        return None if problem is None else f"the vLLM engine stopped: {problem}"
+
+    def shutdown(self) -> None:
+        self.driver.stop()
+
+    # -- rounds ---------------------------------------------------------------------------------
+    def _open_round(self, session: BackendSession, request: OpenRequest) -> tuple[int, SyncPayload]:
+        prompt, n = list(request.prompt), len(request.prompt)
+        sync_rows = session.kind.server_sync is not None
+        rows_from = request.sync_from if sync_rows else n
+        logits_from = n if request.pending is not None else n - 1
+        view = self._round([prompt], rows_from, logits_from, session.sampling is not None and request.pending is None,
+                           lambda p, pos: pos)
+        if request.pending is not None:
+            first = request.pending
+        elif session.sampling is None:
+            first = view.argmax(n - 1)
+        else:
+            first = self._pick(session, view.logits([n - 1]))
+        if not sync_rows or rows_from == n:
+            return first, SyncPayload(start=request.sync_from, count=n - request.sync_from)
+        nodes = list(range(rows_from, n))
+        return first, self._sync(session, view.target_output(nodes), list(range(len(nodes))), request.sync_from)
+
+    def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        tokens = tree.tokens.tolist()
+        paths = _root_to_leaf_paths(tree)
+        prompts = [session.tokens[:seq] + [tokens[i] for i in path] for path in paths]
+        view = self._round(prompts, seq, seq, session.sampling is not None, lambda p, pos: paths[p][pos - seq])
+        nodes = list(range(tree.size))
+        logits = view.logits(nodes) if session.sampling is not None else None  # [N, V]
+        path, nxt = self._accept(session, tree, logits, [view.argmax(i) for i in nodes])
+        return path, nxt, self._sync(session, view.target_output(path), list(range(len(path))), seq)
+
+    def _round(self, prompts: list[list[int]], rows_from: int, logits_from: int, want_logits: bool,
+               node_of: Callable[[int, int], int]) -> _RoundView:
+        """One vLLM request per prompt, all in flight together; prompt p's position pos is node
+        node_of(p, pos) (a tree's paths share nodes). Nodes that no capture holds (their
+        positions were served from the prefix cache) are asked again without the cache."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        def submit(prompt: list[int], skip_cache: bool) -> _Waiter:
+            waiter = _Waiter(verify=True)
+            spec = {"key": waiter.key, "rows_from": rows_from, "logits_from": logits_from, "logits": want_logits}
+            params = VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                        output_kind=RequestOutputKind.FINAL_ONLY, extra_args={VERIFY_ARG: spec},
+                                        skip_reading_prefix_cache=skip_cache or None)
+            return self.driver.submit(waiter, prompt, params)
+
+        view = _RoundView(want_logits)
+        waiters = [submit(prompt, False) for prompt in prompts]
+        for p, waiter in enumerate(waiters):
+            view.add(p, waiter.get(self.driver)[1], node_of)
+        wanted = {node_of(p, pos) for p, prompt in enumerate(prompts) for pos in range(rows_from, len(prompt))}
+        heads = {node_of(p, pos) for p, prompt in enumerate(prompts) for pos in range(logits_from, len(prompt))}
+        again = sorted({p for p, prompt in enumerate(prompts)
+                        for pos in range(min(rows_from, logits_from), len(prompt))
+                        if (node_of(p, pos) in wanted and node_of(p, pos) not in view.rows)
+                        or (node_of(p, pos) in heads and node_of(p, pos) not in view.heads)})
+        if again:
+            self.counters["recomputes"] += len(again)
+            for p, waiter in [(p, submit(prompts[p], True)) for p in again]:
+                view.add(p, waiter.get(self.driver)[1], node_of)
+            if not (wanted <= set(view.rows) and heads <= set(view.heads)):
+                raise EngineStopped("vLLM did not compute the draft's positions even without the prefix cache")
+        return view
+
+    # -- plain generation -----------------------------------------------------------------------
+    def generate(self, request: GenerateRequest) -> Iterator[int]:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_generate(request)
+        sampling = _sampling(request.sampling)
+        options = request.sampling
+        params = VllmSamplingParams(
+            max_tokens=request.max_tokens, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA,
+            stop_token_ids=[request.eos_token_id] if request.eos_token_id is not None else None,
+            temperature=0.0 if sampling is None else options.temperature,
+            top_k=options.top_k if sampling is not None and options.top_k else 0,
+            top_p=options.top_p if sampling is not None else 1.0, seed=options.seed)
+        return self._stream(self.driver.submit(_Waiter(verify=False), list(request.prompt), params))
+
+    def _stream(self, waiter: _Waiter) -> Iterator[int]:
+        self.counters["generates"] += 1
+        finished = False
+        try:
+            while not finished:
+                _, tokens, finished = waiter.get(self.driver)
+                yield from tokens
+        finally:
+            if not finished:  # the client went away, or the engine failed: free its slot in vLLM
+                self.driver.abort(waiter)
+
+    def close(self, session: BackendSession) -> None:
+        super().close(session)  # vLLM holds nothing per session but prefix-cached blocks
+
+
+def _root_to_leaf_paths(tree: DraftTree) -> list[list[int]]:
+    children = tree.children()
+    paths, stack = [], [[0]]
+    while stack:
+        path = stack.pop()
+        kids = children[path[-1]]
+        if not kids:
+            paths.append(path)
+        stack.extend(path + [c] for c in reversed(kids))
+    return paths
+
+
+class _RoundView:
+    """A round's captures by node: rows[node] = (hidden [E], keys [L, H_kv, d], values), heads[node]
+    = (argmax, logits [V] or None); the first capture holding a node gives it."""
+
+    def __init__(self, want_logits: bool) -> None:
+        self.want_logits = want_logits
+        self.rows: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.heads: dict[int, tuple[int, Tensor | None]] = {}
+
+    def add(self, p: int, capture: dict, node_of: Callable[[int, int], int]) -> None:
+        if capture["row_positions"]:
+            hidden, keys, values = unpack(capture["hidden"]), unpack(capture["keys"]), unpack(capture["values"])
+            for k, pos in enumerate(capture["row_positions"]):
+                self.rows.setdefault(node_of(p, pos), (hidden[k], keys[:, k], values[:, k]))
+        logits = unpack(capture["logits"]) if self.want_logits and capture["head_positions"] else None
+        for k, pos in enumerate(capture["head_positions"]):
+            self.heads.setdefault(node_of(p, pos), (capture["argmax"][k], None if logits is None else logits[k]))
+
+    def argmax(self, node: int) -> int:
+        return self.heads[node][0]
+
+    def logits(self, nodes: list[int]) -> Tensor:
+        return torch.stack([self.heads[node][1] for node in nodes])  # [n, V]
+
+    def target_output(self, nodes: list[int]) -> TargetOutput:
+        """The nodes' rows, in order, as a TargetOutput over those tokens: per-layer K/V
+        L x [1, H_kv, n, d] and final post-norm hidden states [1, n, E] (no logits: not needed)."""
+        hidden = torch.stack([self.rows[node][0] for node in nodes])  # [n, E]
+        keys = torch.stack([self.rows[node][1] for node in nodes], dim=2)  # [L, H_kv, n, d]
+        values = torch.stack([self.rows[node][2] for node in nodes], dim=2)
+        return TargetOutput(logits=None, hidden_states=[None] * keys.shape[0] + [hidden.unsqueeze(0)],
+                            keys=[k.unsqueeze(0) for k in keys.unbind(0)],
+                            values=[v.unsqueeze(0) for v in values.unbind(0)])

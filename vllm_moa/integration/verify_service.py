@@ -1,0 +1,203 @@
+"""The worker side of the vLLM client-server backend (serving_backend.py): what the target saw at
+the last positions of a flagged request's prompt, taken inside vLLM's worker after the forward.
+
+A verification round is one vLLM request whose prompt is the session's verified tokens, the
+round's root and the client's draft, generating one token; prefix caching makes its cost the new
+tokens. vLLM computes logits at a prompt's last position only, so the request asks for more:
+
+    SamplingParams.extra_args["moa_verify"] = {
+        "key": str,           # where its capture is kept (vLLM renames request ids internally)
+        "rows_from": int,     # per-layer K/V and the final hidden state of positions rows_from..P-1
+        "logits_from": int,   # the target's next-token argmax at positions logits_from..P-1
+        "logits": bool,       # ... and the float32 logits there (sampled acceptance)
+    }
+
+`RunnerVerifyTapPatch` wraps `GPUModelRunner.sample_tokens` (the CPU runner's too): at its start
+the step's hidden states [N, E], its per-layer slot mapping and the request order are at hand
+(`execute_model_state`), the target's K/V are in the paged caches, and nothing has moved yet.
+Positions are gathered as they are computed, so chunked prefill and recomputation after a
+preemption are covered; positions served from the prefix cache are never computed here, and a
+capture lists the positions it has (the backend asks again without reading the prefix cache for
+what no request of the round computed).
+
+The backend reads captures through `VerifyWorkerExtension.moa_verify_take` (vLLM's
+`worker_extension_cls` and `collective_rpc`, public API): each is taken once. Captures are
+bounded (`MAX_CAPTURES`; the oldest go first), so requests the backend abandoned cannot pile up.
+Tensor parallelism is refused by the backend (each rank holds a share of the KV heads).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vllm_moa.integration import compat
+from vllm_moa.integration.patches import VllmPatch
+from vllm_moa.kernels.paged import gather_slots
+
+VERIFY_ARG = "moa_verify"
+MAX_CAPTURES = 4096
+
+
+@dataclass
+class Capture:
+    """One flagged request's positions, filled step by step (position -> row)."""
+
+    prompt_len: int
+    rows_from: int
+    logits_from: int
+    want_logits: bool
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # [E]
+    keys: dict[int, Tensor] = field(default_factory=dict)  # [L, H_kv, d]
+    values: dict[int, Tensor] = field(default_factory=dict)
+    argmax: dict[int, int] = field(default_factory=dict)
+    logits: dict[int, Tensor] = field(default_factory=dict)  # [V]
+
+    def result(self) -> dict[str, Any]:
+        """What was computed, in position order: `row_positions` with their hidden states [n, E]
+        and K/V [L, n, H_kv, d]; `head_positions` with the argmax there (and logits [m, V]).
+        A wanted position served from the prefix cache is missing from both lists."""
+        rows = [p for p in range(self.rows_from, self.prompt_len) if p in self.hidden]
+        heads = [p for p in range(self.logits_from, self.prompt_len)
+                 if p in self.argmax and (not self.want_logits or p in self.logits)]
+        out: dict[str, Any] = {"row_positions": rows, "head_positions": heads,
+                               "argmax": [self.argmax[p] for p in heads]}
+        if rows:
+            out["hidden"] = pack(torch.stack([self.hidden[p] for p in rows]))  # [n, E]
+            out["keys"] = pack(torch.stack([self.keys[p] for p in rows], dim=1))  # [L, n, H_kv, d]
+            out["values"] = pack(torch.stack([self.values[p] for p in rows], dim=1))
+        if self.want_logits and heads:
+            out["logits"] = pack(torch.stack([self.logits[p] for p in heads]))  # [m, V]
+        return out
+
+
+def pack(x: Tensor) -> dict[str, Any]:
+    """A float32 CPU tensor as plain values (vLLM's RPC results carry bytes, not tensors)."""
+    return {"shape": list(x.shape), "data": x.contiguous().numpy().tobytes()}
+
+
+def unpack(packed: dict[str, Any]) -> Tensor:
+    return torch.frombuffer(bytearray(packed["data"]), dtype=torch.float32).view(*packed["shape"])
+
+
+class _TargetLayers:
+    """The target's attention layers in order and how to read their caches."""
+
+    def __init__(self, runner: Any) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = get_layers_from_vllm_config(runner.vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+        self.names = sorted(layers, key=extract_layer_index)
+        self.layers = [layers[name] for name in self.names]
+        backends = {layer.get_attn_backend().get_name() for layer in self.layers}
+        isas = {getattr(layer, "isa", None) for layer in self.layers}
+        if len(backends) != 1:
+            raise RuntimeError(f"the target's layers run on several attention backends: {sorted(backends)}")
+        self.layout = compat.kv_layout_for_backend(backends.pop(), isas.pop() if len(isas) == 1 else None)
+
+
+_CAPTURES: OrderedDict[str, Capture] = OrderedDict()
+
+
+def collect(runner: Any) -> None:
+    """Gather this step's wanted positions of every flagged request (sample_tokens' start)."""
+    state = runner.execute_model_state
+    if state is None:
+        return
+    flagged = []
+    for req_id, count in state.scheduler_output.num_scheduled_tokens.items():
+        request = runner.requests.get(req_id)
+        params = getattr(request, "sampling_params", None)
+        spec = (params.extra_args or {}).get(VERIFY_ARG) if params is not None else None
+        if spec:
+            flagged.append((req_id, count, request, spec))
+    if not flagged:
+        return
+    if not isinstance(state.slot_mappings, dict):
+        raise RuntimeError("moa_verify needs the step's per-layer slot mapping (micro-batching is not supported)")
+    layers = runner.__dict__.get("_moa_verify_layers")
+    if layers is None:
+        layers = runner._moa_verify_layers = _TargetLayers(runner)
+    for req_id, count, request, spec in flagged:
+        _collect_request(runner, state, layers, req_id, count, request, spec)
+
+
+def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str, count: int, request: Any,
+                     spec: dict) -> None:
+    key, prompt_len = str(spec["key"]), len(request.prompt_token_ids)
+    capture = _CAPTURES.get(key)
+    if capture is None:
+        capture = _CAPTURES[key] = Capture(prompt_len, int(spec["rows_from"]), int(spec["logits_from"]),
+                                           bool(spec.get("logits")))
+        while len(_CAPTURES) > MAX_CAPTURES:
+            _CAPTURES.popitem(last=False)
+    index = runner.input_batch.req_id_to_index[req_id]
+    start = int(runner.query_start_loc.cpu[index])
+    computed = int(runner.input_batch.num_computed_tokens_cpu[index])
+    first = max(min(capture.rows_from, capture.logits_from), computed)
+    last = min(prompt_len, computed + count)  # prompt positions computed this step: [first, last)
+    if first >= last:
+        return
+    positions = list(range(first, last))
+    flat = torch.arange(start + first - computed, start + last - computed, device=state.hidden_states.device)
+    hidden = state.hidden_states.index_select(0, flat)  # [m, E]
+    heads = [i for i, p in enumerate(positions) if p >= capture.logits_from]
+    if heads:
+        logits = runner.model.compute_logits(hidden[heads]).float()  # [h, V]
+        for i, token, row in zip(heads, logits.argmax(-1).tolist(), logits):
+            capture.argmax[positions[i]] = int(token)
+            if capture.want_logits:
+                capture.logits[positions[i]] = row.cpu()
+    rows = [i for i, p in enumerate(positions) if p >= capture.rows_from]
+    if rows:
+        keys, values = [], []
+        for name, layer in zip(layers.names, layers.layers):
+            slots = state.slot_mappings[name].index_select(0, flat[rows])
+            k, v = gather_slots(layer.kv_cache, slots, layers.layout)  # [r, H_kv, d]
+            keys.append(k.float().cpu())
+            values.append(v.float().cpu())
+        keys_t, values_t = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [r, L, H_kv, d]
+        hidden_rows = hidden[rows].float().cpu()
+        for j, i in enumerate(rows):
+            p = positions[i]
+            capture.hidden[p], capture.keys[p], capture.values[p] = hidden_rows[j], keys_t[j], values_t[j]
+
+
+def take(keys: list[str]) -> dict[str, dict[str, Any]]:
+    """The captures of `keys` (each taken once; an unknown key is absent from the answer)."""
+    return {key: capture.result() for key in keys if (capture := _CAPTURES.pop(key, None)) is not None}
+
+
+class VerifyWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): called with `collective_rpc`."""
+
+    def moa_verify_install(self) -> bool:
+        RunnerVerifyTapPatch.apply()
+        return True
+
+    def moa_verify_take(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        return take(keys)
+
+
+class RunnerVerifyTapPatch(VllmPatch):
+    """Before the V1 runner's `sample_tokens`, flagged requests' positions are gathered (collect)."""
+
+    symbol = "runner_sample_tokens"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def sample_tokens(self, grammar_output):
+            collect(self)
+            return original(self, grammar_output)
+
+        setattr(owner, attr, sample_tokens)
