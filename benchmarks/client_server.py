@@ -80,14 +80,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, min_forward_ms: float = 0.0, backend: str = "transformers") -> subprocess.Popen:
+def start_server(port: int, min_forward_ms: float = 0.0, backend: str = "transformers",
+                 target: Path | None = None, drafters: dict[str, Path] | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_MOA_TOKEN", None)
     command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
                "--log-level", "warning", "--max-sessions-per-client", "256"]
+    if target is not None:
+        command += ["--target", str(target)]
+    for name, path in (drafters or {}).items():
+        command += ["--drafter", f"{name}={path}"]
     if backend == "vllm":  # vLLM's engine (its own CPU threads); its log goes to a file, not a pipe
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        command += ["--backend", "vllm", "--vllm-engine-args", json.dumps(VLLM_ENGINE)]
+        engine = {**VLLM_ENGINE, "max_model_len": 2048} if target is not None else VLLM_ENGINE
+        command += ["--backend", "vllm", "--vllm-engine-args", json.dumps(engine)]
     else:
         command += ["--min-forward-ms", str(min_forward_ms)]
     log = open(ROOT / "runs" / f"client_server_server_{port}.log", "w") if backend == "vllm" else subprocess.PIPE
@@ -319,13 +325,18 @@ def main() -> None:
     parser.add_argument("--offline-prompts", type=int, default=8, help="held-out prompts in the disconnection test")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/client_server_cpu.json (_vllm with --backend vllm)")
+    parser.add_argument("--target", choices=("demo", "smollm2"), default="demo",
+                        help="with --backend vllm: smollm2 serves SmolLM2-135M-Instruct (vllm-moa fetch smollm2) "
+                             "with its shipped MoA and EAGLE-style drafters, on its held-out chat prompts")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
                         help="the server's target backend; vllm: the latency grid at RTT 10 / 50 ms, 100 Mbit/s "
                              "against `vllm-moa serve --backend vllm` (needs vLLM), the MoA, EAGLE-style and "
                              "API-only clients")
     args = parser.parse_args()
     if args.out is None:
-        name = "client_server_cpu_vllm.json" if args.backend == "vllm" else "client_server_cpu.json"
+        name = "client_server_cpu.json"
+        if args.backend == "vllm":
+            name = "client_server_cpu_vllm.json" if args.target == "demo" else f"client_server_cpu_vllm_{args.target}.json"
         args.out = ROOT / "benchmarks" / "results" / name
     prov = run_provenance(args)  # at start: the code that runs
     if args.backend == "vllm":
@@ -368,15 +379,31 @@ def main() -> None:
 def main_vllm(args, prov: dict) -> None:
     """The latency grid against the vLLM backend (the same prompts, outputs checked likewise)."""
     torch.set_num_threads(1)
-    target, drafters = load_models()
-    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
-    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
-    prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts][: args.prompts]
+    served = None
+    if args.target == "smollm2":
+        from vllm_moa.shipped import SHIPPED_SMOLLM2
+        from vllm_moa.targets import fetch_smollm2
+        from vllm_moa.training.data import encode_prompt
+
+        target_dir = fetch_smollm2()
+        target = TargetModel.from_pretrained(target_dir)
+        drafters = {name: load_drafter(SHIPPED_SMOLLM2 / name, target).eval() for name in ("moa-tli0", "eagle")}
+        served = {"moa-tli0": SHIPPED_SMOLLM2 / "moa-tli0"}
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        texts = [p if isinstance(p, str) else p["text"]
+                 for p in json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())]
+        prompts = [encode_prompt(tokenizer, t) for t in texts][: args.prompts]  # whole chat prompts
+    else:
+        target_dir = None
+        target, drafters = load_models()
+        tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+        texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
+        prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts][: args.prompts]
     expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in prompts]
     started = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
     port = _free_port()
-    server = start_server(port, backend="vllm")
+    server = start_server(port, backend="vllm", target=target_dir, drafters=served)
     try:
         with NetSimProcess(port, seed=2) as sim:
             latency = run_latency(sim, target, drafters, prompts, expected, args.tokens, VLLM_CLIENTS, (100,),
@@ -395,16 +422,18 @@ def main_vllm(args, prov: dict) -> None:
             row = summary[f"{name}/rtt={rtt}ms/bw=100Mbit"]
             row["speedup_vs_api"] = round(api / row["ms_per_token"], 3)
     prov["config"] = {**prov["config"], "backend": "vllm", "engine": VLLM_ENGINE, "rtt_ms": VLLM_RTTS,
+                      "target": args.target, "prompts_used": [len(p) for p in prompts],
                       "bandwidth_mbit": [100], "clients": VLLM_CLIENTS}
     result = {"summary": {"latency_vllm": summary}, "latency_rows": latency,
               "wall_seconds": round(time.perf_counter() - started, 1), "provenance": prov}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    _plot_vllm(summary, args.out.with_suffix(".png"))
+    _plot_vllm(summary, args.out.with_suffix(".png"),
+               "SmolLM2-135M-Instruct + its drafters" if args.target == "smollm2" else "demo models")
     print(json.dumps(summary, indent=2))
 
 
-def _plot_vllm(summary: dict, path: Path) -> None:
+def _plot_vllm(summary: dict, path: Path, models: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,7 +451,7 @@ def _plot_vllm(summary: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[1].axhline(1.0, color="k", lw=0.8)
-    fig.suptitle("Client-server over vLLM's CPU engine (vllm-moa serve --backend vllm; demo models, loopback netsim, "
+    fig.suptitle(f"Client-server over vLLM's CPU engine (vllm-moa serve --backend vllm; {models}, loopback netsim, "
                  "100 Mbit/s); all outputs = target greedy", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
