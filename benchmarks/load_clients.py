@@ -66,7 +66,8 @@ def _drafting_client(ctx: Context, kind: str, index: int, token: str, rng: rando
         if kind == "draft-chain":
             name, width = "moa-tli0", None
         else:
-            name, width = ("moa-tli0", "moa-tli1")[(index // len(KINDS)) % 2], 4
+            names = [n for n in ("moa-tli0", "moa-tli1") if n in ctx.drafters]
+            name, width = names[(index // len(KINDS)) % len(names)], 4
         num_draft = rng.choice([None, 2, 4, 6])
         encoding = rng.choice(["fp16", "fp16", "int8"])
         # a new client (and connection) now and then: /v1/info and connection churn
@@ -126,7 +127,7 @@ def _session_rounds(ctx: Context, kind: str, http, rng: random.Random, p: int, p
     verdict) until `n` tokens (rounds None) or `rounds` rounds. Returns (session id, verified
     tokens), or None if refused / failed."""
     ref = ctx.reference[p]
-    decl = rng.choice(["ngram", "moa-tli0", "moa-tli1"])
+    decl = rng.choice(sorted(ctx.decls))
     r = http.post("/v1/sessions", json={"prompt": prompt, "drafter": ctx.decls[decl],
                                         "encoding": rng.choice(["fp16", "int8"])})
     if r.status_code in REFUSALS:
@@ -294,13 +295,83 @@ def _generate_client(ctx: Context, kind: str, index: int, token: str, rng: rando
 def client_thread(ctx: Context, kind: str, index: int, token: str) -> None:
     rng = random.Random(ctx.args.seed * 1000 + index)
     runner = {"draft-chain": _drafting_client, "draft-tree": _drafting_client, "verify-raw": _raw_session_client,
-              "abandon": _raw_session_client}.get(kind, _generate_client)
+              "abandon": _raw_session_client, "hostile": _hostile_client}.get(kind, _generate_client)
     try:
         runner(ctx, kind, index, token, rng)
     except Exception as err:  # noqa: BLE001 - a client bug or an unusable answer: a failure
         import traceback
 
         ctx.rec.fail(f"{kind} client {index} crashed: {type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}")
+
+
+# -- hostile requests: each must get its 4xx (or, for odd but valid parameters, a correct answer) ------
+def _hostile_cases(ctx: Context, rng: random.Random) -> tuple[list[tuple[str, str, str, object, tuple[int, ...]]], int]:
+    """([(case, method, path, JSON body or raw bytes, acceptable statuses)], the prompt index used)."""
+    p, prompt, _ = ctx.work(rng)
+    vocab = ctx.target.vocab_size
+    ngram = {"kind": "ngram"}
+    limit = ctx.args.limits["max_new_tokens"]
+    return [
+        ("token-outside-vocab", "POST", "/v1/sessions", {"prompt": [*prompt[:4], vocab + 7], "drafter": ngram}, (400,)),
+        ("temperature-nan", "POST", "/v1/generate",
+         b'{"prompt": [1, 2], "max_tokens": 4, "sampling": {"temperature": NaN}}', (422,)),
+        ("temperature-negative", "POST", "/v1/generate",
+         {"prompt": prompt, "max_tokens": 4, "sampling": {"temperature": -0.5}}, (422,)),
+        ("temperature-huge", "POST", "/v1/sessions",
+         {"prompt": prompt, "drafter": ngram, "sampling": {"temperature": 1e300}}, (422,)),
+        ("top-p-zero", "POST", "/v1/generate", {"prompt": prompt, "max_tokens": 4, "sampling": {"top_p": 0}}, (422,)),
+        ("max-tokens-huge", "POST", "/v1/generate", {"prompt": prompt, "max_tokens": 10**12}, (422,)),
+        ("max-tokens-over-limit", "POST", "/v1/generate", {"prompt": prompt, "max_tokens": limit + 1}, (413,)),
+        ("empty-prompt", "POST", "/v1/sessions", {"prompt": [], "drafter": ngram}, (422,)),
+        ("unknown-kind", "POST", "/v1/sessions", {"prompt": prompt, "drafter": {"kind": "gpt-17"}}, (422,)),
+        ("unknown-field", "POST", "/v1/generate", {"prompt": prompt, "max_tokens": 4, "n": 2}, (422,)),
+        ("string-tokens", "POST", "/v1/generate", {"prompt": ["hello"], "max_tokens": 4}, (422,)),
+        ("not-json", "POST", "/v1/sessions", b"{prompt: [1, 2", (422,)),
+        ("sync-from-past-prompt", "POST", "/v1/sessions",
+         {"prompt": prompt, "drafter": ngram, "sync_from": len(prompt) + 5}, (400,)),
+        ("unknown-session", "POST", "/v1/sessions/nosuchsession0/verify",
+         {"seq": 3, "tree": {"tokens": [1], "parents": [-1]}}, (404,)),
+        ("bad-session-id", "DELETE", "/v1/sessions/..%2Fetc", None, (404, 422)),
+        ("lsa-not-held", "POST", "/v1/sessions",
+         {"prompt": prompt, "drafter": {**ctx.decls.get("moa-tli0", ngram), "lsa_fingerprint": "0" * 16}}
+         if "moa-tli0" in ctx.decls else {"prompt": prompt, "drafter": {"kind": "moa"}}, (409, 422)),
+        # odd but valid: answered, and greedy where the temperature is below 1e-5
+        ("temperature-1e-40", "POST", "/v1/generate",
+         {"prompt": prompt, "max_tokens": 6, "sampling": {"temperature": 1e-40}}, (200,)),
+        ("seed-and-top-k-at-their-bounds", "POST", "/v1/generate",
+         {"prompt": prompt, "max_tokens": 3, "sampling": {"temperature": 0.8, "top_k": 2**31 - 1,
+                                                          "seed": 2**63 - 1}}, (200,)),
+    ], p
+
+
+def _hostile_client(ctx: Context, kind: str, index: int, token: str, rng: random.Random) -> None:
+    """Hostile and odd requests, one at a time: each answered with the status it deserves (a 4xx
+    with an error message, never a 5xx), the valid odd ones with correct output."""
+    http = ctx.http(token)
+    with http:
+        while ctx.running():
+            cases, p = _hostile_cases(ctx, rng)
+            case, method, path, body, statuses = rng.choice(cases)
+            ctx.rec.local.hostile = statuses != (200,)
+            try:
+                kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+                    else ({"json": body} if body is not None else {})
+                r = http.request(method, path, **kwargs)
+            finally:
+                ctx.rec.local.hostile = False
+            ctx.rec.hostile[case] += statuses != (200,)
+            if r.status_code in REFUSALS:
+                ctx.refused(kind, r.status_code, rng)
+                continue
+            if r.status_code not in statuses:
+                ctx.rec.fail(f"hostile {case}: answered {r.status_code}, expected {statuses}: {r.text[:200]}")
+            elif r.status_code >= 400 and "error" not in response_json(r):
+                ctx.rec.fail(f"hostile {case}: {r.status_code} without an error message: {r.text[:200]}")
+            elif case == "temperature-1e-40":
+                ctx.check(kind, "greedy at temperature 1e-40", r.json()["tokens"], ctx.expected(p, 6))
+                continue
+            ctx.rec.outcome(kind, f"answered-{r.status_code}")
+            time.sleep(rng.uniform(0.02, 0.1))
 
 
 def health_prober(ctx: Context, period: float = 0.25) -> None:

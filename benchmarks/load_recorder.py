@@ -8,7 +8,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-KINDS = ("draft-chain", "draft-tree", "verify-raw", "generate", "generate-stream", "stream-disconnect", "abandon")
+KINDS = ("draft-chain", "draft-tree", "verify-raw", "generate", "generate-stream", "stream-disconnect", "abandon",
+         "hostile")
 ROUTES = ("health", "info", "open", "verify", "close", "generate", "generate-stream")
 REFUSALS = (429, 503)
 TIMEOUT_S = 120.0  # per request: far beyond any expected wait, so a timeout means a stall
@@ -47,7 +48,9 @@ class Recorder:
         self.completed: Counter[str] = Counter()  # outputs checked equal to greedy, per client kind
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (kind, outcome)
         self.generation_s: dict[str, list[float]] = defaultdict(list)
-        self.local = threading.local()  # .deliberate: the next request may be aborted by its client
+        self.hostile: Counter[str] = Counter()  # hostile requests sent, per case
+        # .deliberate: the next request may be aborted by its client; .hostile: it is meant to be refused
+        self.local = threading.local()
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -86,7 +89,7 @@ class Recorder:
             elif status == 503 and not stream and ("retry-after" not in response.headers
                                                   or "error" not in response_json(response)):
                 self.fail(f"{route}: 503 without Retry-After or error message: {response.text[:200]}")
-            elif status >= 400 and status not in REFUSALS:
+            elif status >= 400 and status not in REFUSALS and not getattr(self.local, "hostile", False):
                 self.fail(f"{route}: unexpected refusal {status} {'' if stream else response.text[:300]}")
             return response
 
@@ -108,10 +111,18 @@ def response_json(response) -> dict:
 
 
 def rss_bytes(pid: int) -> int | None:
+    """The RSS of `pid` and every process under it (the vLLM backend's engine core and worker)."""
     try:
         import psutil
 
-        return psutil.Process(pid).memory_info().rss
+        process = psutil.Process(pid)
+        total = process.memory_info().rss
+        for child in process.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
     except ImportError:
         pass
     except Exception:  # noqa: BLE001 - the process is gone
@@ -178,7 +189,16 @@ def summarize(rec: Recorder, load_s: tuple[float, float]) -> dict:
             errors[error] += 1
     start, end = load_s
     in_load = [r for r in rows if start <= r[0] <= end]
+    five = sum(n for k, n in status.items() if k.isdigit() and int(k) >= 500)
     return {
+        # the issue's integer keys: every request, the hostile ones, streams the client hung up on,
+        # every 5xx (503 refusals included), greedy outputs that differ from the reference
+        "summary": {"requests": len(rows), "bad_requests": sum(rec.hostile.values()),
+                    "disconnects": sum(n for (k, o), n in rec.outcomes.items()
+                                       if k == "stream-disconnect" and o.startswith("hung-up")),
+                    "status_5xx": five,
+                    "mismatches": sum(n for (_, o), n in rec.outcomes.items() if o == "mismatch")},
+        "bad_requests_by_case": dict(sorted(rec.hostile.items())),
         "requests": len(rows),
         "requests_per_s_during_load": round(len(in_load) / max(end - start, 1e-9), 1),
         "status_counts": dict(sorted(status.items())),

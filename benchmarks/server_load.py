@@ -65,6 +65,8 @@ from benchmarks.load_recorder import (  # noqa: E402
 )
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 
+VLLM_ENGINE = {"max_model_len": 2048, "block_size": 32}  # --backend vllm (CPU_ATTN: blocks of 32k)
+
 
 # -- the server ------------------------------------------------------------------------------------
 def _free_port() -> int:
@@ -73,11 +75,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(port: int, tokens: list[str], limits: dict, log_path: Path) -> subprocess.Popen:
-    """`vllm-moa serve` (demo target + moa-tli0/moa-tli1) on 127.0.0.1:port, 1 torch thread."""
+def launch_server(port: int, tokens: list[str], limits: dict, log_path: Path, backend: str = "transformers",
+                  target: Path | None = None, drafters: dict[str, Path] | None = None) -> subprocess.Popen:
+    """`vllm-moa serve` (demo target + moa-tli0/moa-tli1, or `target` + `drafters`) on
+    127.0.0.1:port, 1 torch thread; with backend "vllm", the target in vLLM's engine."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_MOA_TOKEN": ",".join(tokens)}
     command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
                "--log-level", "warning"]
+    if target is not None:
+        command += ["--target", str(target)]
+    for name, path in (drafters or {}).items():
+        command += ["--drafter", f"{name}={path}"]
+    if backend == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        command += ["--backend", "vllm", "--vllm-engine-args", json.dumps(VLLM_ENGINE)]
     for key, value in limits.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     with log_path.open("w") as log:
@@ -175,7 +186,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=180.0, help="seconds after the load for clients to finish")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "server_load_cpu.json")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
+                        help="the server's target backend (vllm: `vllm-moa serve --backend vllm`, needs vLLM)")
+    parser.add_argument("--target", choices=("demo", "smollm2"), default="demo",
+                        help="smollm2: SmolLM2-135M-Instruct (vllm-moa fetch smollm2) and its shipped MoA drafter, "
+                             "on its held-out chat prompts")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the server's max_new_tokens")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/server_load_cpu.json (_<backend>_<target> otherwise)")
     args = parser.parse_args(argv)
     if args.clients < 1 or args.duration <= 0:
         parser.error("--clients must be >= 1 and --duration > 0")
@@ -200,12 +218,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     wall0 = time.perf_counter()
-    target = TargetModel.from_pretrained(SHIPPED / "target")
-    target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
-    drafters = {name: load_drafter(SHIPPED / name, target).eval() for name in ("moa-tli0", "moa-tli1")}
-    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
-    texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][: args.prompts]
-    prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts]
+    if args.out is None:
+        name = "server_load_cpu" if (args.backend, args.target) == ("transformers", "demo") else \
+            f"server_load_cpu_{args.backend}_{args.target}"
+        args.out = ROOT / "benchmarks" / "results" / f"{name}.json"
+    target_dir, served = None, None
+    if args.target == "smollm2":
+        from vllm_moa.shipped import SHIPPED_SMOLLM2
+        from vllm_moa.targets import fetch_smollm2
+        from vllm_moa.training.data import encode_prompt
+
+        target_dir = fetch_smollm2()
+        target = TargetModel.from_pretrained(target_dir)
+        served = {"moa-tli0": SHIPPED_SMOLLM2 / "moa-tli0"}
+        drafters = {name: load_drafter(path, target).eval() for name, path in served.items()}
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        texts = [p if isinstance(p, str) else p["text"]
+                 for p in json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())][: args.prompts]
+        prompts = [encode_prompt(tokenizer, t)[-args.prompt_tokens:] for t in texts]
+    else:
+        target = TargetModel.from_pretrained(SHIPPED / "target")
+        target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
+        drafters = {name: load_drafter(SHIPPED / name, target).eval() for name in ("moa-tli0", "moa-tli1")}
+        tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
+        texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][: args.prompts]
+        prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts]
     # enough of each greedy continuation for every draft's verdict (depth <= 8 past max_new_tokens)
     reference = [plain_greedy_generate(target, p, args.max_new_tokens + 10).token_ids
                  for p in tqdm(prompts, desc="greedy references", disable=args.no_progress)]
@@ -217,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_generations": args.max_generations or max(2, c // 6),
         "max_generations_per_client": 1,
         "max_draft_nodes": 32,
+        "max_new_tokens": args.max_new_tokens_limit,
         "session_ttl": args.session_ttl,
     }
     per_sequence = args.prompt_tokens + args.max_new_tokens
@@ -235,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
     port = _free_port()
     started = time.perf_counter()
     server_limits = dict(limits)
-    proc = launch_server(port, tokens, server_limits, log_path)
+    args.limits = limits  # the hostile clients read max_new_tokens
+    proc = launch_server(port, tokens, server_limits, log_path, args.backend, target_dir, served)
     sampler = MemorySampler(proc.pid, started)  # from the start: model loading included
     sampler.start()
     try:

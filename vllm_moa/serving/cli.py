@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,10 @@ from vllm_moa.serving.protocol import ServerLimits
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
+
+
+def _exit_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _set_threads(threads: int) -> None:
@@ -114,6 +119,9 @@ def serve(
                f"http://{host}:{port} "
                f"with drafters: {', '.join(d.name for d in engine.drafters()) or 'none'}; "
                f"auth: {'bearer tokens' if tokens else 'off'}", err=True)
+    # uvicorn re-raises SIGTERM once it has shut down gracefully: exit through `finally` then, so
+    # that the backend releases what it holds (the vLLM backend's engine-core processes)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level, insecure=insecure)
     finally:

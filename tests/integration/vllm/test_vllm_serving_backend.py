@@ -203,3 +203,58 @@ def test_an_engine_that_dies_is_reported_and_calls_fail_fast(world):
         assert r.status_code == 503 and "vLLM engine stopped" in r.json()["error"], r.text
         r = http.post("/v1/generate", json={"prompt": [1, 2], "max_tokens": 4})
         assert r.status_code == 503, r.text
+
+
+def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behind(tmp_path):
+    """`vllm-moa serve --backend vllm` on the demo target: a clear refusal of bad engine arguments
+    before anything loads; started, it serves a drafting client; SIGTERM ends it and vLLM's
+    engine-core processes with it (uvicorn re-raises the signal after its graceful shutdown)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from vllm_moa.target import TargetModel
+
+    command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--backend", "vllm", "--log-level", "warning"]
+    env = {**os.environ, **ENGINE_ENV}
+    bad = subprocess.run(command + ["--vllm-engine-args", "[1, 2]"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--vllm-engine-args must be a JSON object" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = '{"max_model_len": 512, "block_size": 32, "enforce_eager": true}'
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(command + ["--port", str(port), "--vllm-engine-args", engine], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any(p.name() == "VLLM::EngineCore" for p in children)
+        target = TargetModel.from_pretrained(TARGET)
+        target.name = "vllm-moa/stdlib-llama-8l"  # the demo drafters' recorded target name
+        from vllm_moa.models import load_drafter
+
+        prompt = prompts()[5]
+        with RemoteDraftingClient(url, load_drafter(DEMO / "moa-tli0", target).eval(), target) as client:
+            assert client.generate(prompt, 24).token_ids == _expected({"target": target}, prompt, 24)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    time.sleep(2)
+    left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.name()) for p in left]
