@@ -355,13 +355,20 @@ def main(argv: list[str] | None = None) -> dict:
         "first_half_of_load_max": max((m for t, m in samples if start <= t < mid), default=None),
         "second_half_of_load_max": max((m for t, m in samples if mid <= t <= end), default=None),
         "after_leak_check": samples[-1][1] if samples else None,
+        # warm-up: the first tenth of the load; the end: its last sample
+        "after_warmup": next((m for t, m in samples if t >= start + (end - start) / 10), None),
+        "at_load_end": next((m for t, m in reversed(samples) if t <= end), None),
+        "process_tree": "the server process and every process under it (the vLLM backend's engine core and worker)",
         "source": "psutil" if _has_psutil() else "/proc/PID/status VmRSS",
         "samples": samples,
     }
+    if rss["after_warmup"] and rss["at_load_end"]:
+        rss["growth_from_warmup_to_load_end"] = round(rss["at_load_end"] / rss["after_warmup"] - 1, 4)
     result = {
-        "what": "bounded load test of the vllm-moa verification server (vllm-moa serve, demo target + MoA "
-                "drafters) on 127.0.0.1: concurrent drafting sessions (chains, trees), raw verify calls, "
-                "/v1/generate (streamed and not), disconnecting and abandoning clients, health probes",
+        "what": f"bounded load test of the vllm-moa verification server (vllm-moa serve, backend {args.backend}, "
+                f"{args.target} target + MoA drafters) on 127.0.0.1: concurrent drafting sessions (chains, trees), "
+                "raw verify calls, /v1/generate (streamed and not), disconnecting and abandoning clients, hostile "
+                "requests, health probes",
         "passed": not rec.failures,
         "failures": rec.failures[:200],
         "summary": summary,
@@ -374,6 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "tail": server_log[-2000:]},
         "config": {
             "duration_s": args.duration, "clients": c, "client_kinds": dict(Counter(kinds)),
+            "backend": args.backend, "target": args.target,
+            "vllm_engine": VLLM_ENGINE if args.backend == "vllm" else None,
             "health_probe_period_s": 0.25, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "new_tokens": [args.min_new_tokens, args.max_new_tokens], "greedy": True, "seed": args.seed,
             "server": "python -m vllm_moa.cli serve --threads 1 (OMP_NUM_THREADS=1), bearer token per client, "
