@@ -110,14 +110,14 @@ def response_json(response) -> dict:
         return {}
 
 
-def rss_bytes(pid: int) -> int | None:
-    """The RSS of `pid` and every process under it (the vLLM backend's engine core and worker)."""
+def rss_bytes(pid: int, tree: bool = True) -> int | None:
+    """The RSS of `pid` and (tree) every process under it (the vLLM backend's engine core and worker)."""
     try:
         import psutil
 
         process = psutil.Process(pid)
         total = process.memory_info().rss
-        for child in process.children(recursive=True):
+        for child in process.children(recursive=True) if tree else ():
             try:
                 total += child.memory_info().rss
             except psutil.Error:
@@ -140,14 +140,19 @@ class MemorySampler(threading.Thread):
     def __init__(self, pid: int, started: float, period: float = 0.5) -> None:
         super().__init__(daemon=True, name="rss-sampler")
         self.pid, self.started, self.period = pid, started, period
-        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB)
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MiB): the process tree
+        self.own_samples: list[tuple[float, float]] = []  # the server process alone
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
             rss = rss_bytes(self.pid)
             if rss is not None:
-                self.samples.append((round(time.perf_counter() - self.started, 2), round(rss / 2**20, 2)))
+                t = round(time.perf_counter() - self.started, 2)
+                self.samples.append((t, round(rss / 2**20, 2)))
+                own = rss_bytes(self.pid, tree=False)
+                if own is not None:
+                    self.own_samples.append((t, round(own / 2**20, 2)))
             self.stop.wait(self.period)
 
     def latest(self) -> float | None:

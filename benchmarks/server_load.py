@@ -76,10 +76,13 @@ def _free_port() -> int:
 
 
 def launch_server(port: int, tokens: list[str], limits: dict, log_path: Path, backend: str = "transformers",
-                  target: Path | None = None, drafters: dict[str, Path] | None = None) -> subprocess.Popen:
+                  target: Path | None = None, drafters: dict[str, Path] | None = None,
+                  preload: str | None = None) -> subprocess.Popen:
     """`vllm-moa serve` (demo target + moa-tli0/moa-tli1, or `target` + `drafters`) on
     127.0.0.1:port, 1 torch thread; with backend "vllm", the target in vLLM's engine."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_MOA_TOKEN": ",".join(tokens)}
+    if preload:  # e.g. tcmalloc, as vLLM's CPU docs advise (glibc's malloc fragments its worker's heap)
+        env["LD_PRELOAD"] = preload
     command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
                "--log-level", "warning"]
     if target is not None:
@@ -192,6 +195,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="smollm2: SmolLM2-135M-Instruct (vllm-moa fetch smollm2) and its shipped MoA drafter, "
                              "on its held-out chat prompts")
     parser.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the server's max_new_tokens")
+    parser.add_argument("--disconnect-clients", type=int, default=0,
+                        help="stream-disconnect clients beyond the round robin (more mid-stream hang-ups)")
+    parser.add_argument("--server-preload", default=None,
+                        help="LD_PRELOAD for the server, e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/server_load_cpu.json (_<backend>_<target> otherwise)")
     args = parser.parse_args(argv)
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     reference = [plain_greedy_generate(target, p, args.max_new_tokens + 10).token_ids
                  for p in tqdm(prompts, desc="greedy references", disable=args.no_progress)]
 
-    c = args.clients
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.clients)] + ["stream-disconnect"] * args.disconnect_clients
+    c = len(kinds)
     limits = {
         "max_sessions": args.max_sessions or max(2, c // 2),
         "max_sessions_per_client": 2,
@@ -265,7 +273,6 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--max-total-tokens is too small for the leak check (8 tokens per session at least)")
     # one bearer token per client (per-client limits apply to each), per leak-check session, + 1
     tokens = [f"load-{i:04d}-{random.Random(i).getrandbits(64):016x}" for i in range(c + limits["max_sessions"] + 1)]
-    kinds = [KINDS[i % len(KINDS)] for i in range(c)]
 
     log_file = tempfile.NamedTemporaryFile("w", suffix=".log", prefix="server_load-", delete=False)
     log_path = Path(log_file.name)
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     server_limits = dict(limits)
     args.limits = limits  # the hostile clients read max_new_tokens
-    proc = launch_server(port, tokens, server_limits, log_path, args.backend, target_dir, served)
+    proc = launch_server(port, tokens, server_limits, log_path, args.backend, target_dir, served, args.server_preload)
     sampler = MemorySampler(proc.pid, started)  # from the start: model loading included
     sampler.start()
     try:
@@ -364,6 +371,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if rss["after_warmup"] and rss["at_load_end"]:
         rss["growth_from_warmup_to_load_end"] = round(rss["at_load_end"] / rss["after_warmup"] - 1, 4)
+    own = sampler.own_samples
+    rss["server_process_only"] = {
+        "after_warmup": next((m for t, m in own if t >= start + (end - start) / 10), None),
+        "at_load_end": next((m for t, m in reversed(own) if t <= end), None),
+        "samples": own[::10]}
     result = {
         "what": f"bounded load test of the vllm-moa verification server (vllm-moa serve, backend {args.backend}, "
                 f"{args.target} target + MoA drafters) on 127.0.0.1: concurrent drafting sessions (chains, trees), "
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "tail": server_log[-2000:]},
         "config": {
             "duration_s": args.duration, "clients": c, "client_kinds": dict(Counter(kinds)),
-            "backend": args.backend, "target": args.target,
+            "backend": args.backend, "target": args.target, "server_preload": args.server_preload,
             "vllm_engine": VLLM_ENGINE if args.backend == "vllm" else None,
             "health_probe_period_s": 0.25, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
             "new_tokens": [args.min_new_tokens, args.max_new_tokens], "greedy": True, "seed": args.seed,

@@ -165,9 +165,9 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
         depth = max(request.tree.depths())
         if request.seq + depth + 1 > window:  # the accepted path can reach seq + depth + 1 tokens
             raise too_long(f"a draft of depth {depth} at position {request.seq}", request.seq + depth + 1)
-        session = store.get(client, session_id)
-        store.charge(session_id, request.seq + nodes)  # the draft's K/V is written after the root's position
+        session = store.get(client, session_id)  # in flight until settle(): never reaped meanwhile
         try:
+            store.charge(session_id, request.seq + nodes)  # the draft's K/V is written after the root's position
             response = await run_in_threadpool(backend.verify, session, request)
         finally:
             store.settle(session_id, len(session.tokens))

@@ -51,6 +51,7 @@ class _Entry:
     created: float
     last_used: float
     tokens: int  # K/V the target holds for it (budget)
+    in_flight: int = 0  # requests being served: never idle meanwhile (a slow target's verify > the TTL)
 
 
 @dataclass
@@ -173,6 +174,7 @@ class SessionStore:
                 del self._entries[session_id]
                 raise SessionNotFound(f"session {session_id!r} expired")
             entry.last_used = now
+            entry.in_flight += 1  # until settle()
             return entry.session
 
     def charge(self, session_id: str, tokens: int) -> None:
@@ -186,11 +188,14 @@ class SessionStore:
             entry.tokens = tokens
 
     def settle(self, session_id: str, tokens: int) -> None:
-        """The session now holds `tokens` tokens."""
+        """The request that get() began is over; the session now holds `tokens` tokens and is idle
+        from now."""
         with self._lock:
             entry = self._entries.get(session_id)
             if entry is not None:
                 entry.tokens = tokens
+                entry.in_flight = max(0, entry.in_flight - 1)
+                entry.last_used = self.clock()
 
     def remove(self, client: str, session_id: str) -> BackendSession:
         with self._lock:
@@ -208,5 +213,5 @@ class SessionStore:
             return [self._entries.pop(sid).session for sid in expired]
 
     def _expired(self, entry: _Entry, now: float) -> bool:
-        return (now - entry.last_used > self.limits.session_idle_ttl_s
-                or now - entry.created > self.limits.session_max_age_s)
+        idle = entry.in_flight == 0 and now - entry.last_used > self.limits.session_idle_ttl_s
+        return idle or now - entry.created > self.limits.session_max_age_s

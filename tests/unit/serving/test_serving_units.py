@@ -125,6 +125,24 @@ def test_session_store_limits_binding_and_expiry():
         store.get("a", ids["a"][1])
 
 
+def test_a_session_is_never_idle_while_a_request_is_in_flight():
+    """A verify that takes longer than the idle TTL (a slow target under load) must not get its
+    session reaped under it; idle time counts from the end of the last request."""
+    clock = FakeClock()
+    store = SessionStore(ServerLimits(session_idle_ttl_s=10, session_max_age_s=1000), clock)
+    with store.reserve("a", 4) as slot:
+        sid = store.add(slot, object())
+    store.get("a", sid)  # a verify begins
+    clock.now += 30  # ... and takes 30 s
+    assert store.reap() == [] and len(store) == 1
+    store.settle(sid, 8)  # it ends: idle from now
+    clock.now += 9
+    assert store.reap() == [] and store.get("a", sid) is not None
+    store.settle(sid, 8)
+    clock.now += 11
+    assert len(store.reap()) == 1 and len(store) == 0
+
+
 # -- adaptive depth -----------------------------------------------------------------------------
 def _feed(controller, net_s, rate_accepts, rounds=30):
     for i in range(rounds):
