@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "Traceback" in server_log or "ERROR" in server_log:
         rec.fail(f"the server logged errors:\n{server_log[-3000:]}")
 
-    summary = summarize(rec, (phases["load_start"], phases["load_end"]))
+    summary = summarize(rec, (phases["load_start"], phases["load_end"]), until=phases["drain_end"])
     for kind in sorted(set(kinds)):
         if summary["completed_exact_by_kind"].get(kind, 0) == 0:
             rec.fail(f"no {kind} client completed a checked generation")
