@@ -196,12 +196,13 @@ class VLLMBackend(SessionBackend):
         signature = signature_from_hf_config(hf_config, target_dir)
         if target_name:
             signature = dataclasses.replace(signature, name=target_name)
+        # the drafters are checked against the target before any engine process starts
+        super().__init__(signature, hf_config.vocab_size, None, drafters)
         engine = {"dtype": "float32", "enable_prefix_caching": True, **engine}
         args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
                           **engine)
         self.driver = EngineDriver(args)
-        context = self.driver.engine.vllm_config.model_config.max_model_len
-        super().__init__(signature, hf_config.vocab_size, context, drafters)
+        self._context = self.driver.engine.vllm_config.model_config.max_model_len
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,

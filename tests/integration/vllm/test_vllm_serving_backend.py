@@ -224,6 +224,13 @@ def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behin
                          timeout=120)
     assert bad.returncode == 2 and "--vllm-engine-args must be a JSON object" in bad.stderr
     assert "Traceback" not in bad.stderr
+    from vllm_moa.shipped import SHIPPED_SMOLLM2  # trained for SmolLM2, not for the demo target
+
+    other = subprocess.run(command + ["--drafter", f"moa={SHIPPED_SMOLLM2 / 'moa-tli0'}"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert "num_layers" in other.stderr or "target" in other.stderr, other.stderr[-500:]
+    assert "EngineCore" not in other.stderr  # refused before vLLM's engine started
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
