@@ -349,9 +349,13 @@ def _hostile_client(ctx: Context, kind: str, index: int, token: str, rng: random
     with an error message, never a 5xx), the valid odd ones with correct output."""
     http = ctx.http(token)
     with http:
+        sent = 0
         while ctx.running():
             cases, p = _hostile_cases(ctx, rng)
-            case, method, path, body, statuses = rng.choice(cases)
+            # every 12th, the first included, is the odd-but-valid greedy case: checked output each run
+            by_name = {c[0]: c for c in cases}
+            case, method, path, body, statuses = by_name["temperature-1e-40"] if sent % 12 == 0 else rng.choice(cases)
+            sent += 1
             ctx.rec.local.hostile = statuses != (200,)
             try:
                 kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
