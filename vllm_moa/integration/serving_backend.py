@@ -82,8 +82,12 @@ class EngineDriver:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine.from_engine_args(engine_args)
-        if not all(self.engine.collective_rpc("moa_verify_install")):
-            raise RuntimeError("the vLLM workers did not install the verification hook")
+        try:
+            if not all(self.engine.collective_rpc("moa_verify_install")):
+                raise RuntimeError("the vLLM workers did not install the verification hook")
+        except BaseException:
+            self.engine.engine_core.shutdown()  # no engine process outlives a failed start
+            raise
         self.error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: dict[str, _Waiter] = {}
