@@ -120,7 +120,19 @@ class EngineDriver:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=30)
+        self.error = self.error or "the backend was shut down"
+        self._fail_all()
         self.engine.engine_core.shutdown()
+
+    def _fail_all(self) -> None:
+        """Answer every request in flight or queued with a 503 (the engine is gone or stopping)."""
+        for waiter in list(self._waiting.values()):
+            waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
+        self._waiting.clear()
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            if item[0] == "add":
+                item[1].queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -130,14 +142,8 @@ class EngineDriver:
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as err:  # the engine is gone: fail everything, now and later
-            self.error = f"{type(err).__name__}: {err}"
-            for waiter in self._waiting.values():
-                waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
-            self._waiting.clear()
-            while not self._inbox.empty():
-                item = self._inbox.get()
-                if item[0] == "add":
-                    item[1].queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
+            self.error = self.error or f"{type(err).__name__}: {err}"
+            self._fail_all()
 
     def _drain(self, block: bool) -> None:
         from vllm.inputs import TokensPrompt
@@ -152,11 +158,11 @@ class EngineDriver:
                 _, waiter, prompt, params = item
                 try:
                     self.engine.add_request(waiter.key, TokensPrompt(prompt_token_ids=prompt), params)
-                except (ValueError, TypeError) as err:  # vLLM's own validation of one request
-                    waiter.queue.put(("error", f"vLLM refused the request: {err}", 400))
-                    continue
-                except BaseException as err:  # the engine itself failed: this caller is told too
-                    waiter.queue.put(("error", f"the vLLM engine stopped: {type(err).__name__}: {err}", 503))
+                except Exception as err:
+                    if self.problem() is None:  # vLLM refused this request (VLLMValidationError, ...)
+                        waiter.queue.put(("error", f"vLLM refused the request: {err}", 400))
+                        continue
+                    waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
                     raise
                 self._waiting[waiter.key] = waiter
             elif item[0] == "abort" and self._waiting.pop(item[1].key, None) is not None:
@@ -179,8 +185,9 @@ class EngineDriver:
             captures = self.engine.collective_rpc("moa_verify_take", args=([w.key for w in finished],))[0]
             for waiter in finished:
                 capture = captures.get(waiter.key)
-                if capture is None:
-                    waiter.queue.put(("error", "the vLLM worker kept no capture of this round", 503))
+                if capture is None or "error" in capture:
+                    why = capture["error"] if capture else "it kept no capture of this round"
+                    waiter.queue.put(("error", f"the vLLM worker could not read this round: {why}", 503))
                 else:
                     waiter.queue.put(("capture", capture))
 
@@ -206,7 +213,8 @@ class VLLMBackend(SessionBackend):
         args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
                           **engine)
         self.driver = EngineDriver(args)
-        self._context = self.driver.engine.vllm_config.model_config.max_model_len
+        # a round's prompt plus the one token vLLM generates must fit in max_model_len
+        self._context = self.driver.engine.vllm_config.model_config.max_model_len - 1
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
@@ -270,8 +278,15 @@ class VLLMBackend(SessionBackend):
 
         view = _RoundView(want_logits)
         waiters = [submit(prompt, False) for prompt in prompts]
-        for p, waiter in enumerate(waiters):
-            view.add(p, waiter.get(self.driver)[1], node_of)
+        answered = 0
+        try:
+            for p, waiter in enumerate(waiters):
+                view.add(p, waiter.get(self.driver)[1], node_of)
+                answered += 1
+        except BaseException:
+            for waiter in waiters[answered + 1:]:  # the round's other paths: nobody will read them
+                self.driver.abort(waiter)
+            raise
         wanted = {node_of(p, pos) for p, prompt in enumerate(prompts) for pos in range(rows_from, len(prompt))}
         heads = {node_of(p, pos) for p, prompt in enumerate(prompts) for pos in range(logits_from, len(prompt))}
         again = sorted({p for p, prompt in enumerate(prompts)
@@ -279,7 +294,7 @@ class VLLMBackend(SessionBackend):
                         if (node_of(p, pos) in wanted and node_of(p, pos) not in view.rows)
                         or (node_of(p, pos) in heads and node_of(p, pos) not in view.heads)})
         if again:
-            self.counters["recomputes"] += len(again)
+            self._count("recomputes", len(again))
             for p, waiter in [(p, submit(prompts[p], True)) for p in again]:
                 view.add(p, waiter.get(self.driver)[1], node_of)
             if not (wanted <= set(view.rows) and heads <= set(view.heads)):
@@ -300,10 +315,12 @@ class VLLMBackend(SessionBackend):
             temperature=0.0 if sampling is None else options.temperature,
             top_k=options.top_k if sampling is not None and options.top_k else 0,
             top_p=options.top_p if sampling is not None else 1.0, seed=options.seed)
-        return self._stream(self.driver.submit(_Waiter(verify=False), list(request.prompt), params))
+        return self._stream(list(request.prompt), params)
 
-    def _stream(self, waiter: _Waiter) -> Iterator[int]:
-        self.counters["generates"] += 1
+    def _stream(self, prompt: list[int], params: Any) -> Iterator[int]:
+        """Submitted at the first next(): a generator closed before that never reaches vLLM."""
+        waiter = self.driver.submit(_Waiter(verify=False), prompt, params)
+        self._count("generates")
         finished = False
         try:
             while not finished:

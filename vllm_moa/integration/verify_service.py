@@ -104,6 +104,7 @@ class _TargetLayers:
 
 
 _CAPTURES: OrderedDict[str, Capture] = OrderedDict()
+_FAILED: OrderedDict[str, str] = OrderedDict()  # key -> why its capture failed
 
 
 def collect(runner: Any) -> None:
@@ -120,29 +121,34 @@ def collect(runner: Any) -> None:
             flagged.append((req_id, count, request, spec))
     if not flagged:
         return
-    if not isinstance(state.slot_mappings, dict):
-        raise RuntimeError("moa_verify needs the step's per-layer slot mapping (micro-batching is not supported)")
-    layers = runner.__dict__.get("_moa_verify_layers")
-    if layers is None:
-        layers = runner._moa_verify_layers = _TargetLayers(runner)
     for req_id, count, request, spec in flagged:
-        _collect_request(runner, state, layers, req_id, count, request, spec)
+        try:  # a failure fails this round only (its capture says why), never vLLM's engine
+            if not isinstance(state.slot_mappings, dict):
+                raise RuntimeError("the step has no per-layer slot mapping (micro-batching is not supported)")
+            layers = runner.__dict__.get("_moa_verify_layers")
+            if layers is None:
+                layers = runner._moa_verify_layers = _TargetLayers(runner)
+            _collect_request(runner, state, layers, req_id, count, request, spec)
+        except Exception as err:  # noqa: BLE001 - reported to the backend through take()
+            _FAILED[str(spec.get("key"))] = f"{type(err).__name__}: {err}"
+            while len(_FAILED) > MAX_CAPTURES:
+                _FAILED.popitem(last=False)
 
 
 def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str, count: int, request: Any,
                      spec: dict) -> None:
     key, prompt_len = str(spec["key"]), len(request.prompt_token_ids)
-    capture = _CAPTURES.get(key)
-    if capture is None:
-        capture = _CAPTURES[key] = Capture(prompt_len, int(spec["rows_from"]), int(spec["logits_from"]),
-                                           bool(spec.get("logits")))
-        while len(_CAPTURES) > MAX_CAPTURES:
-            _CAPTURES.popitem(last=False)
+    rows_from, logits_from = int(spec["rows_from"]), int(spec["logits_from"])
     index = runner.input_batch.req_id_to_index[req_id]
     start = int(runner.query_start_loc.cpu[index])
     computed = int(runner.input_batch.num_computed_tokens_cpu[index])
-    first = max(min(capture.rows_from, capture.logits_from), computed)
+    first = max(min(rows_from, logits_from), computed)
     last = min(prompt_len, computed + count)  # prompt positions computed this step: [first, last)
+    capture = _CAPTURES.get(key)
+    if capture is None:
+        capture = _CAPTURES[key] = Capture(prompt_len, rows_from, logits_from, bool(spec.get("logits")))
+        while len(_CAPTURES) > MAX_CAPTURES:
+            _CAPTURES.popitem(last=False)
     if first >= last:
         return
     positions = list(range(first, last))
@@ -171,8 +177,16 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str
 
 
 def take(keys: list[str]) -> dict[str, dict[str, Any]]:
-    """The captures of `keys` (each taken once; an unknown key is absent from the answer)."""
-    return {key: capture.result() for key in keys if (capture := _CAPTURES.pop(key, None)) is not None}
+    """The captures of `keys` (each taken once; an unknown key is absent from the answer; a
+    capture that failed in the worker is {"error": why})."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        capture, failed = _CAPTURES.pop(key, None), _FAILED.pop(key, None)
+        if failed is not None:
+            out[key] = {"error": failed}
+        elif capture is not None:
+            out[key] = capture.result()
+    return out
 
 
 class VerifyWorkerExtension:

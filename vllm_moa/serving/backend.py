@@ -144,6 +144,7 @@ class SessionBackend(TargetBackend):
         self._signature, self._vocab, self._context = signature, vocab_size, context
         self.device = torch.device(device)
         self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, generates
+        self._counters_lock = threading.Lock()  # sessions of many clients count at once
         # kinds that declare LSA weights (MoA) sync through the server's own copy of those weights
         self._served: list[tuple[DrafterInfo, Drafter | None]] = []
         for name, drafter in (drafters or {}).items():
@@ -200,7 +201,7 @@ class SessionBackend(TargetBackend):
                                  encoding=request.encoding, sampling=sampling, generator=generator, drafter=served)
         first, sync = self._open_round(session, request)
         session.pending = first
-        self.counters["opens"] += 1
+        self._count("opens")
         return session, OpenResponse(session_id="", length=len(request.prompt), first_token=first, sync=sync,
                                      idle_ttl_s=0.0, server_ms=1e3 * (time.perf_counter() - started))
 
@@ -215,7 +216,7 @@ class SessionBackend(TargetBackend):
         tokens, parents = request.tree.tokens, request.tree.parents
         key = (request.seq, tuple(tokens), tuple(parents))
         if session.last_request == key and session.last_response is not None:
-            self.counters["replays"] += 1
+            self._count("replays")
             return session.last_response.model_copy(update={"replayed": True})
         self._check_tokens(tokens, "tree")
         seq, have = request.seq, len(session.tokens)
@@ -230,10 +231,11 @@ class SessionBackend(TargetBackend):
             raise BackendError(f"a draft of depth {max(depths)} at position {seq} runs past the target's context "
                                f"window ({self._context})")
         tree = DraftTree(torch.tensor(tokens, device=self.device), list(parents), depths, [-1] * len(tokens))
+        session.last_request = session.last_response = None  # whatever happens next, no stale replay
         if seq < have:  # cut back to the client's position: the root is the token the target had there
             session.tokens, session.pending = session.tokens[:seq], root
-            self.counters["rewinds"] += 1
-        self.counters["verifies"] += 1
+            self._count("rewinds")
+        self._count("verifies")
         path, nxt, sync = self._verify_round(session, seq, tree)
         accepted = [tokens[i] for i in path]
         session.tokens.extend(accepted)
@@ -261,6 +263,10 @@ class SessionBackend(TargetBackend):
         path, next token, the sync payload of the path's nodes)."""
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[key] += n
+
     def _check_generate(self, request: GenerateRequest) -> None:
         self._check_tokens(request.prompt, "prompt")
         if self._context is not None and len(request.prompt) + request.max_tokens > self._context:
@@ -368,7 +374,7 @@ class TransformersBackend(SessionBackend):
         return self._generate(request)
 
     def _generate(self, request: GenerateRequest) -> Iterator[int]:
-        self.counters["generates"] += 1
+        self._count("generates")
         sampling = _sampling(request.sampling)
         generator = None
         if sampling is not None:

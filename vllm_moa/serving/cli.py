@@ -125,6 +125,7 @@ def serve(
     try:
         run(create_app(engine, limits, tokens), host=host, port=port, log_level=log_level, insecure=insecure)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
         engine.shutdown()
 
 

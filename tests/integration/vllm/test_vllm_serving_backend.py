@@ -168,7 +168,7 @@ def test_bad_input_over_vllm_gets_4xx_with_a_message(world):
     with httpx.Client(base_url=url, timeout=30) as http:
         assert http.get("/v1/health").json()["status"] == "ok"
         info = http.get("/v1/info").json()
-        assert info["backend"] == "vllm" and info["context_window"] == 1024
+        assert info["backend"] == "vllm" and info["context_window"] == 1023  # + the token a round generates
         vocab = backend.signature.vocab_size
         r = http.post("/v1/sessions", json={"prompt": [1, vocab], "drafter": {"kind": "ngram"}})
         assert r.status_code == 400 and "outside the target's vocabulary" in r.json()["error"]
@@ -180,6 +180,27 @@ def test_bad_input_over_vllm_gets_4xx_with_a_message(world):
         sid = r.json()["session_id"]
         r = http.post(f"/v1/sessions/{sid}/verify", json={"seq": 9, "tree": {"tokens": [5], "parents": [-1]}})
         assert r.status_code == 409 and "ahead of this session" in r.json()["error"]
+        # at the edge of the context: a round whose prompt is max_model_len - 1 tokens is served, one
+        # position further is refused by the server, and vLLM's own refusal of a request is a 400
+        edge = (prompts()[0] * 40)[:1022]
+        r = http.post("/v1/sessions", json={"prompt": edge, "drafter": {"kind": "ngram"}})
+        assert r.status_code == 200, r.text
+        sid, first = r.json()["session_id"], r.json()["first_token"]
+        r = http.post(f"/v1/sessions/{sid}/verify", json={"seq": 1022, "tree": {"tokens": [first], "parents": [-1]}})
+        assert r.status_code == 200 and r.json()["seq"] == 1023, r.text
+        r = http.post(f"/v1/sessions/{sid}/verify",
+                      json={"seq": 1022, "tree": {"tokens": [first, 5], "parents": [-1, 0]}})
+        assert r.status_code == 413, r.text
+        assert http.get("/v1/health").status_code == 200
+    from vllm import SamplingParams as VllmSamplingParams
+
+    from vllm_moa.integration.serving_backend import _Waiter
+
+    waiter = backend.driver.submit(_Waiter(verify=False), [1] * 1024, VllmSamplingParams(max_tokens=1))
+    with pytest.raises(BackendError, match="vLLM refused the request"):
+        waiter.get(backend.driver)
+    assert backend.healthy() is None  # one refused request leaves the engine serving
+    assert list(backend.generate(GenerateRequest(prompt=[1, 2, 3], max_tokens=2)))
     with pytest.raises(BackendError, match="tensor and pipeline parallel size 1"):
         type(backend)(TARGET, tensor_parallel_size=2)
 
