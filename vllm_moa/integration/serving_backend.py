@@ -284,7 +284,7 @@ class VLLMBackend(SessionBackend):
                 view.add(p, waiter.get(self.driver)[1], node_of)
                 answered += 1
         except BaseException:
-            for waiter in waiters[answered + 1:]:  # the round's other paths: nobody will read them
+            for waiter in waiters[answered:]:  # this path (if still running) and the others: unread
                 self.driver.abort(waiter)
             raise
         wanted = {node_of(p, pos) for p, prompt in enumerate(prompts) for pos in range(rows_from, len(prompt))}
