@@ -182,7 +182,7 @@ def test_bad_input_over_vllm_gets_4xx_with_a_message(world):
         assert r.status_code == 409 and "ahead of this session" in r.json()["error"]
         # at the edge of the context: a round whose prompt is max_model_len - 1 tokens is served, one
         # position further is refused by the server, and vLLM's own refusal of a request is a 400
-        edge = (prompts()[0] * 40)[:1022]
+        edge = (prompts()[0] * 100)[:1022]
         r = http.post("/v1/sessions", json={"prompt": edge, "drafter": {"kind": "ngram"}})
         assert r.status_code == 200, r.text
         sid, first = r.json()["session_id"], r.json()["first_token"]
