@@ -163,10 +163,12 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str
                 capture.logits[positions[i]] = row.cpu()
     rows = [i for i, p in enumerate(positions) if p >= capture.rows_from]
     if rows:
-        keys, values = [], []
+        keys, values, slots_of = [], [], {}  # layers of one KV-cache group share one slot mapping
         for name, layer in zip(layers.names, layers.layers):
-            slots = state.slot_mappings[name].index_select(0, flat[rows])
-            k, v = gather_slots(layer.kv_cache, slots, layers.layout)  # [r, H_kv, d]
+            mapping = state.slot_mappings[name]
+            if id(mapping) not in slots_of:
+                slots_of[id(mapping)] = mapping.index_select(0, flat[rows])
+            k, v = gather_slots(layer.kv_cache, slots_of[id(mapping)], layers.layout)  # [r, H_kv, d]
             keys.append(k.float().cpu())
             values.append(v.float().cpu())
         keys_t, values_t = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [r, L, H_kv, d]

@@ -257,20 +257,14 @@ def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behin
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     engine = '{"max_model_len": 512, "block_size": 32, "enforce_eager": true}'
+    from benchmarks.server_load import wait_ready  # health polled until 200; the log if it never comes
+
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(command + ["--port", str(port), "--vllm-engine-args", engine], env=env,
                             stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
+        wait_ready(proc, port, tmp_path / "server.log")
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any(p.name() == "VLLM::EngineCore" for p in children)
         target = TargetModel.from_pretrained(TARGET)
