@@ -41,7 +41,8 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.results import summarize  # noqa: E402
 from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402

@@ -42,7 +42,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import provenance as common_provenance  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
-from vllm_moa.decoding.engine import SpeculativeEngine, summarize  # noqa: E402
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.results import summarize  # noqa: E402
 from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402

@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 
 

@@ -48,7 +48,7 @@ def main() -> None:
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     report = {
         "benchmark": "vllm_cpu_numerics",
-        "what": "worst |logit difference| between vllm_moa.integration.model.MoADraftModel (vLLM layers and "
+        "what": "worst |logit difference| between vllm_moa.integration.moa.draft_model.MoADraftModel (vLLM layers and "
                 "loader, paged attention by a PyTorch twin) and vllm_moa.models.moa.MoADrafter, fp32, per test",
         "tolerance_asserted": 1e-4,
         "worst_abs_logit_diff": worst,

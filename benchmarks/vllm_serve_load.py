@@ -41,7 +41,7 @@ from benchmarks import vllm_serve_plot
 from benchmarks.provenance import ROOT, provenance
 from benchmarks.vllm_serve_cases import Job, greedy_body, greedy_keys, prompt_pool, schedule
 from vllm_moa import envs
-from vllm_moa.integration.compat import openai_server_command
+from vllm_moa.integration.shell.compat import openai_server_command
 
 # (concurrency, share of the requests): a warm-up at the highest concurrency (the server's memory
 # reaches its working size; RSS growth is measured from its end), then 1 to 32

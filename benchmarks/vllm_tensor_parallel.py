@@ -35,8 +35,8 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts, resolve_target  # noqa: E402
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
-from vllm_moa.integration.tensor_parallel import cpu_thread_binding  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.shell.tp_layout import cpu_thread_binding  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 
 FP32 = 4

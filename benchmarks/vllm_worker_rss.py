@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import psutil  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
 DRAFTER = str(ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0")
 METHODS = {

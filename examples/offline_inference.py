@@ -6,7 +6,7 @@ found through its entry point, nothing to import. Defaults: the shipped demo tar
 TLI = 0 MoA drafter, the held-out stdlib prompts, fp32 on CPU. Prints the texts, vLLM's
 spec-decode counters (mean acceptance length = 1 + accepted / drafts, and per position) and,
 with --check, whether greedy output equals vLLM without speculation token for token. Each engine
-runs in a child process (vllm_moa.integration.offline).
+runs in a child process (vllm_moa.integration.serve.offline).
 
     python examples/offline_inference.py --check
     python examples/offline_inference.py --target path/to/llama --drafter runs/moa/drafter -k 5
@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_moa.integration.offline import EngineRun, run_engine
+from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
 DEMO = Path(__file__).resolve().parents[1] / "vllm_moa" / "assets" / "demo"
 

@@ -21,7 +21,7 @@ Tree attention over a paged KV cache (kernels/tree.py)
     plan_tree_attention(block_tables, prefix_lens, cu_seqlens_q, ancestor_masks, block_size)
     tree_attention_planned(q, kv_cache, plan, layout=, sm_scale=) -> [T, H, d]
                                     CPU: what a step's layers share read once (kernels/tree_cpu.py)
-    Called by draft-tree verification inside vLLM's engine (vllm_moa/integration/tree.py,
+    Called by draft-tree verification inside vLLM's engine (vllm_moa/integration/moa/tree_verification.py,
     CPU_ATTN: the planned CPU path; GPU backends are refused until the Triton path is tested on a GPU).
 Paged caches (kernels/paged.py; the layout is documented there)
     split_kv_cache, gather_slots, gather_blocks, write_slots, slot_mapping, gather_layer_rows, new_kv_cache,

@@ -13,7 +13,7 @@ Layout (per target attention layer; one tensor per layer, as vLLM binds ``layer.
 or any callable ``layout(kv_cache) -> (k, v)`` that returns two strided views
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` -- vLLM 0.26.0 packs K and V as
 ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, read by
-``vllm_moa.integration.compat.packed_kv_layout`` (a callable reads a cache whose first dimension
+``vllm_moa.integration.shell.compat.packed_kv_layout`` (a callable reads a cache whose first dimension
 is the block: ``gather_blocks`` copies blocks out along it). Only strides are used, so caches that vLLM
 allocates in another physical order and permutes back to the logical shape (``HND`` stride
 orders) work unchanged. Verify the layout against the installed vLLM's

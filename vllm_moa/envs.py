@@ -12,7 +12,7 @@ or a child process that sets one sees it. This module imports nothing of the pac
     VLLM_MOA_CATCH_UP              0: "moa" chains run their first pass at steps vLLM schedules
                                    without drafts (dynamic K = 0), as vLLM's draft models do;
                                    default 1: they skip those steps and catch up when drafting
-                                   resumes (integration/catch_up.py)
+                                   resumes (integration/moa/catch_up.py)
     VLLM_MOA_TOKEN                 the server's bearer tokens, comma-separated (also the client's
                                    token unless `--token-env` names another variable)
     VLLM_MOA_DRAFTER_WEIGHTS       fp32 | bf16 | int8 | auto: the weights of a "moa" drafter's

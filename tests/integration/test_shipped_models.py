@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from vllm_moa.config import DrafterTargetMismatch
 from vllm_moa.decoding.chain import plain_greedy_generate
-from vllm_moa.decoding.engine import SpeculativeEngine, summarize
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.results import summarize
 from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.kinds.eagle import EagleDrafter
 from vllm_moa.kinds.independent import IndependentDrafter

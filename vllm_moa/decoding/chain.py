@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
+from vllm_moa.decoding.engine import SpeculativeEngine
+from vllm_moa.decoding.results import GenerationResult
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.tree import DraftSpec
 from vllm_moa.registry import DrafterArg

@@ -22,8 +22,10 @@ import torch
 from torch import Tensor
 
 from vllm_moa import registry as kinds
+from vllm_moa.decoding import target_slices
 from vllm_moa.decoding.cache import SlotKVCache
 from vllm_moa.decoding.drafters import DraftSession, accept_all, drafts_together, propose_all
+from vllm_moa.decoding.results import GenerationResult
 from vllm_moa.decoding.retrieval import HybridSession, Retrieval, max_extra_nodes
 from vllm_moa.decoding.sampling import SamplingParams, make_generator, pick
 from vllm_moa.decoding.speed_control import SpeedController
@@ -31,87 +33,6 @@ from vllm_moa.decoding.tree import DraftSpec, DraftTree, verification_inputs
 from vllm_moa.decoding.verify import greedy_accept, sampled_accept
 from vllm_moa.registry import DrafterArg
 from vllm_moa.target import TargetModel, TargetOutput
-
-
-@dataclass
-class GenerationResult:
-    """One request's output and metrics."""
-
-    token_ids: list[int]
-    finish_reason: str = "length"  # "length" | "eos" | "stop"
-    text: str | None = None  # decoded, stop string excluded (when a tokenizer was given)
-    target_forwards: int = 0  # decoding forwards (prefill excluded)
-    accepted_per_forward: list[int] = field(default_factory=list)  # accepted drafts + 1, per verify
-    drafted_per_forward: list[int] = field(default_factory=list)  # draft depth offered, per verify
-    seconds: float = 0.0  # request start -> its last token
-    ttft: float = 0.0  # request start -> its first token
-    drafter_seconds: float = 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens gained per target forward: accepted draft tokens + 1 (the target's own)."""
-        return sum(self.accepted_per_forward) / max(1, len(self.accepted_per_forward))
-
-    def acceptance_by_position(self, num_positions: int) -> list[float]:
-        """Share of verifications whose i-th draft token (depth i) was accepted, i = 1..num_positions."""
-        rounds = max(1, len(self.accepted_per_forward))
-        return [sum(1 for a in self.accepted_per_forward if a - 1 >= i) / rounds for i in range(1, num_positions + 1)]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("nan")
-
-    @property
-    def drafter_share(self) -> float:
-        return self.drafter_seconds / self.seconds if self.seconds > 0 else float("nan")
-
-
-def summarize(results: Sequence[GenerationResult], wall_seconds: float, num_positions: int) -> dict:
-    """Aggregate metrics over requests (one batch, or many runs): acceptance length over all
-    target forwards, per-position acceptance, throughput over the wall time, drafter share."""
-    forwards = sum(len(r.accepted_per_forward) for r in results)
-    gained = sum(sum(r.accepted_per_forward) for r in results)
-    tokens = sum(len(r.token_ids) for r in results)
-    return {
-        "requests": len(results),
-        "tokens": tokens,
-        "target_forwards": forwards,
-        "acceptance_length": gained / max(1, forwards),
-        "acceptance_by_position": [
-            sum(1 for r in results for a in r.accepted_per_forward if a - 1 >= i) / max(1, forwards)
-            for i in range(1, num_positions + 1)
-        ],
-        "tokens_per_s": tokens / wall_seconds if wall_seconds > 0 else float("nan"),
-        "drafter_share": sum(r.drafter_seconds for r in results) / wall_seconds if wall_seconds > 0 else float("nan"),
-        "mean_ttft_s": sum(r.ttft for r in results) / max(1, len(results)),
-        "wall_s": wall_seconds,
-    }
-
-
-class _PlainRound:
-    """A plain round's target outputs (no logits), kept while some sequence's drafter lags; stacked
-    over layers on first use, once for all the batch's sequences (three tensors, not one per layer)."""
-
-    def __init__(self, out: TargetOutput) -> None:
-        self.out: TargetOutput | None = TargetOutput(_no_logits(out), out.hidden_states, out.keys, out.values)
-        self.no_logits = self.out.logits
-        self._stacked: tuple[Tensor, Tensor, Tensor] | None = None
-
-    def stacked(self) -> tuple[Tensor, Tensor, Tensor]:
-        """hidden states [L+1, B, 1, E], keys and values [L, B, H_kv, 1, d]"""
-        if self._stacked is None:
-            out, self.out = self.out, None
-            self._stacked = (torch.stack(out.hidden_states), torch.stack(out.keys), torch.stack(out.values))
-        return self._stacked
-
-
-def _lag_outputs(lag: list[tuple[int, _PlainRound, int]]) -> TargetOutput:
-    """One sequence's target outputs over its lagging plain rounds' tokens, each tensor [1, n, ...]."""
-    parts = [(plain.stacked(), row) for _, plain, row in lag]
-    hidden = torch.cat([h[:, row : row + 1, :1] for (h, _, _), row in parts], dim=2)  # [L+1, 1, n, E]
-    keys = torch.cat([k[:, row : row + 1, :, :1] for (_, k, _), row in parts], dim=3)  # [L, 1, H_kv, n, d]
-    values = torch.cat([v[:, row : row + 1, :, :1] for (_, _, v), row in parts], dim=3)
-    return TargetOutput(lag[0][1].no_logits, list(hidden.unbind(0)), list(keys.unbind(0)), list(values.unbind(0)))
 
 
 @dataclass
@@ -124,7 +45,7 @@ class _Sequence:
     pending: int = -1
     emitted: int = 0
     done: bool = False
-    lag: list[tuple[int, _PlainRound, int]] = field(default_factory=list)  # plain rounds the drafter has not
+    lag: list[tuple[int, target_slices.PlainRound, int]] = field(default_factory=list)  # plain rounds the drafter has not
     # seen: (token, that round's target outputs, the sequence's row in it)
     unstarted: TargetOutput | None = None  # the prompt's target output (no logits) while the session waits to start
 
@@ -133,7 +54,7 @@ class _Sequence:
         nodes it was never fed (tree, path, the target's output there), for accept(); the lag is
         cleared and the session told that this round was not drafted."""
         tokens = [token for token, _, _ in self.lag]
-        verified = _lag_outputs(self.lag)
+        verified = target_slices.lag_outputs(self.lag)
         self.lag = []
         self.session.skip_round()
         return DraftTree.chain(tokens[0], tokens[1:], device, fed=0), list(range(len(tokens))), verified
@@ -297,10 +218,10 @@ class GenerationBatch:
             cache.commit(row, list(range(n)))
             first = self._pick(out.logits[row, n - 1 : n])
             if s.session is not None and defer:
-                s.unstarted = _rows(out, row, list(range(n)), logits=False)
+                s.unstarted = target_slices.rows_of(out, row, list(range(n)), logits=False)
             elif s.session is not None:
                 t0 = time.perf_counter()
-                s.session.start(torch.tensor([s.prompt], device=device), _rows(out, row, list(range(n))))
+                s.session.start(torch.tensor([s.prompt], device=device), target_slices.rows_of(out, row, list(range(n))))
                 s.result.drafter_seconds += time.perf_counter() - t0
             s.result.ttft = time.perf_counter() - self._started
             s.pending = first
@@ -331,7 +252,7 @@ class GenerationBatch:
         out = self.target(ids, cache, positions, mask)  # logits [B, N, V]
         verifying = time.perf_counter() - t0
         accepted, paths, nexts = [], [], []
-        kept = _PlainRound(out) if spec is None and any(s.session is not None for s in seqs) else None
+        kept = target_slices.PlainRound(out) if spec is None and any(s.session is not None for s in seqs) else None
         for row, (s, tree) in enumerate(zip(seqs, trees)):
             logits = out.logits[row, : tree.size]
             if self._sampling is None:
@@ -349,7 +270,7 @@ class GenerationBatch:
             accepted.append(len(path) - 1)
         if self.drafts and spec is not None:
             t0 = time.perf_counter()
-            verified = [_rows(out, row, path) for row, path in enumerate(paths)]
+            verified = [target_slices.rows_of(out, row, path) for row, path in enumerate(paths)]
             accept_all([s.session for s in seqs], trees, paths, verified, together=self.batch_drafting)
             drafting += self._charge(seqs, time.perf_counter() - t0)
         for s, tree, path, nxt in zip(seqs, trees, paths, nexts):
@@ -382,10 +303,10 @@ class GenerationBatch:
         long backlog, bounded."""
         history = s.prompt + s.tokens[:-1]  # what the target has run; the last token is pending
         take = min(window, len(s.lag))
-        parts = [_last(s.unstarted, window - take)] if take < window and s.unstarted is not None else []
-        parts += [_lag_outputs(s.lag[-take:])] if take else []
+        parts = [target_slices.last_tokens(s.unstarted, window - take)] if take < window and s.unstarted is not None else []
+        parts += [target_slices.lag_outputs(s.lag[-take:])] if take else []
         s.session = _open_session(self.drafter, self.target, self.retrieval)
-        s.session.start(torch.tensor([history], device=device), _concat(parts))
+        s.session.start(torch.tensor([history], device=device), target_slices.concat_outputs(parts))
         s.unstarted, s.lag = None, []
 
     @staticmethod
@@ -445,46 +366,3 @@ def _speed_controller(spec: DraftSpec) -> SpeedController:
 def _open_session(drafter, target: TargetModel, retrieval: Retrieval | None) -> DraftSession | None:
     session = kinds.open_runtime_session(drafter, target)
     return session if retrieval is None or session is None else HybridSession(session, retrieval)
-
-
-def _concat(parts: list[TargetOutput]) -> TargetOutput:
-    """Outputs of consecutive tokens (_rows of successive rounds) as one, along the token axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return TargetOutput(
-        torch.cat([p.logits for p in parts], dim=1),
-        [torch.cat(hs, dim=1) for hs in zip(*(p.hidden_states for p in parts))],
-        [torch.cat(ks, dim=2) for ks in zip(*(p.keys for p in parts))],
-        [torch.cat(vs, dim=2) for vs in zip(*(p.values for p in parts))],
-    )
-
-
-def _no_logits(out: TargetOutput) -> Tensor:
-    """[1, 0, V]: a tensor of its own (an empty view would keep all the logits alive)."""
-    return out.logits.new_empty((1, 0, out.logits.shape[-1]))
-
-
-def _last(out: TargetOutput, n: int) -> TargetOutput:
-    """The outputs of the last n tokens (each tensor [1, n, ...])."""
-    return TargetOutput(out.logits[:, -n:], [h[:, -n:] for h in out.hidden_states],
-                        [k[:, :, -n:] for k in out.keys], [v[:, :, -n:] for v in out.values])
-
-
-def _rows(out: TargetOutput, row: int, nodes: list[int], logits: bool = True) -> TargetOutput:
-    """The target's output for sequence `row` at the given nodes, each tensor [1, n, ...] (logits
-    False: [1, 0, V], for sessions, which never read them); views where the nodes are consecutive."""
-    if nodes == list(range(nodes[0], nodes[0] + len(nodes))):
-        first, n = nodes[0], len(nodes)
-        return TargetOutput(
-            out.logits[row : row + 1, first : first + n] if logits else _no_logits(out),
-            [h[row : row + 1, first : first + n] for h in out.hidden_states],
-            [k[row : row + 1, :, first : first + n] for k in out.keys],
-            [v[row : row + 1, :, first : first + n] for v in out.values],
-        )
-    index = torch.tensor(nodes, device=out.logits.device)
-    return TargetOutput(
-        out.logits[row : row + 1].index_select(1, index) if logits else _no_logits(out),
-        [h[row : row + 1].index_select(1, index) for h in out.hidden_states],
-        [k[row : row + 1].index_select(2, index) for k in out.keys],
-        [v[row : row + 1].index_select(2, index) for v in out.values],
-    )

@@ -32,7 +32,7 @@ rounds since the last one took `1 / probe_budget` times what that probe cost bey
 most about `probe_budget` of the time, however near the verdict is to a tie.
 
 `FasterShape` is the model-free counterpart for engines that time whole rounds only (vLLM's
-proposer, integration/tree_or_chain.py): of a few draft shapes, the one whose rounds measured more
+proposer, integration/moa/tree_or_chain.py): of a few draft shapes, the one whose rounds measured more
 tokens per second at the batch size, the others re-tried now and then.
 """
 

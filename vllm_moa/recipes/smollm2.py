@@ -85,7 +85,7 @@ def generate(target_dir: Path, prompts: list[list[int]], temperatures: list[floa
     """Continuations of `prompts` (stopping at EOS, which is kept) by vLLM's engine in a child
     process when `vllm_python` is given, else by transformers' generate."""
     if vllm_python:
-        from vllm_moa.integration.offline import EngineRun, run_engine
+        from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
         run = EngineRun(target=str(target_dir), prompts=prompts, temperature=temperatures, max_tokens=max_tokens,
                         seed=seed, ignore_eos=False,

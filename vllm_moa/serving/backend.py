@@ -6,7 +6,7 @@
   engine would. For MoA clients it holds the drafter's LSA/Ekv2E weights only to turn the target's
   per-layer K/V of newly verified tokens into Ekv2E rows (the MoA model's `rows_from_kv`): one E-wide
   row per token instead of 2*L*Ekv raw K/V values.
-* `VLLMBackend` (vllm_moa/integration/serving_backend.py, a layer above: vLLM's engine): each
+* `VLLMBackend` (vllm_moa/integration/serve/vllm_backend.py, a layer above: vLLM's engine): each
   round is one vLLM request over the verified prefix and the draft (prefix caching), batched
   with every other session's rounds; the same checks, acceptance and sync (`SessionBackend`).
 
@@ -409,7 +409,7 @@ class TransformersBackend(SessionBackend):
             time.sleep(max(0.0, self.min_forward_s - (time.perf_counter() - started)))
 
 
-# "vllm": vllm_moa.integration.serving_backend.VLLMBackend, a layer above (the CLI passes it in)
+# "vllm": vllm_moa.integration.serve.vllm_backend.VLLMBackend, a layer above (the CLI passes it in)
 BACKENDS: dict[str, type[SessionBackend]] = {"transformers": TransformersBackend}
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vllm_moa.integration.compat import packed_kv_layout
+from vllm_moa.integration.shell.compat import packed_kv_layout
 from vllm_moa.kernels.paged import write_slots
 
 

@@ -1,5 +1,5 @@
 """Steps without drafts (vLLM's dynamic K = 0) skipped by the MoA drafter and caught up when
-drafting resumes (integration/catch_up.py), inside vLLM's real engine, with SmolLM2 and its
+drafting resumes (integration/moa/catch_up.py), inside vLLM's real engine, with SmolLM2 and its
 shipped drafter (the demo drafter's drafts hardly depend on older context, so they cannot tell
 a stale cache from a fresh one; SmolLM2's can).
 
@@ -32,7 +32,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 from sampling_stats import chat_prompt, smollm2  # noqa: E402
 from vllm_env import ENGINE_ENV, REPO, engine_available  # noqa: E402
 
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),

@@ -15,8 +15,8 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 from tiny_models import make_hf_target  # noqa: E402
 from vllm_env import DEMO, engine_config  # noqa: E402
 
-from vllm_moa.integration import compat  # noqa: E402
-from vllm_moa.integration.draft_config import MoAVllmConfig  # noqa: E402
+from vllm_moa.integration.shell import compat  # noqa: E402
+from vllm_moa.integration.shell.draft_config import MoAVllmConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

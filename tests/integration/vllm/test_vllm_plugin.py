@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
-from vllm_moa.integration import compat, plugin  # noqa: E402
+from vllm_moa.integration.shell import compat, plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -28,23 +28,23 @@ def run_python(code: str, **env: str) -> dict:
 
 def test_entry_point_is_declared():
     found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moa"]
-    assert len(found) == 1 and found[0].value == "vllm_moa.integration.plugin:register"
+    assert len(found) == 1 and found[0].value == "vllm_moa.integration.shell.plugin:register"
     assert found[0].load() is plugin.register
 
 
 LOAD_THROUGH_VLLM = """
 import json, sys, typing
 import torch
-before = [m for m in ("vllm", "vllm_moa.integration.patches") if m in sys.modules]
+before = [m for m in ("vllm", "vllm_moa.integration.shell.patches") if m in sys.modules]
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 load_general_plugins()  # vLLM guards this; register() is idempotent on its own as well
-import vllm_moa.integration.plugin as p
+import vllm_moa.integration.shell.plugin as p
 again = p.register()
 from vllm.config.speculative import SpeculativeConfig
 from vllm.model_executor.models.registry import ModelRegistry
 from transformers import AutoConfig
-from vllm_moa.integration import patches
+from vllm_moa.integration.shell import patches
 try:
     auto_config = type(AutoConfig.for_model("moa_drafter")).__name__
 except ValueError:
@@ -81,7 +81,7 @@ def test_switched_off_plugin_leaves_vllm_untouched():
 
 UNSUPPORTED = """
 import json, typing
-from vllm_moa.integration import compat, plugin
+from vllm_moa.integration.shell import compat, plugin
 compat.installed_vllm_version = lambda: "0.27.1"
 ok = plugin.register()
 from vllm.config.speculative import SpeculativeConfig

@@ -25,8 +25,8 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
 
-from vllm_moa.integration.draft_config import UnsupportedMoASetup  # noqa: E402
-from vllm_moa.integration.proposer import MoAProposer  # noqa: E402
+from vllm_moa.integration.moa.proposer import MoAProposer  # noqa: E402
+from vllm_moa.integration.shell.draft_config import UnsupportedMoASetup  # noqa: E402
 from vllm_moa.kinds.moa import MoAConfig, MoADrafter  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 

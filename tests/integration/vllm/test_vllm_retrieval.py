@@ -1,11 +1,11 @@
 """Lookup drafts beside MoA's inside vLLM's real engine (speculative_config "moa_retrieval",
-vllm_moa/integration/retrieval.py): greedy output identical to plain vLLM for 16 ragged prompts
+vllm_moa/integration/moa/lookup_drafts.py): greedy output identical to plain vLLM for 16 ragged prompts
 at once, chains and trees, with prefix-cache hits, chunked prefill and preemption; vLLM's
 acceptance counters above MoA's alone (lookup drafts were used, and right); lossless sampling at
 T > 0 (chi-square on a tiny-vocabulary target, rows drafted by lookup beside rows drafted by the
 model with probabilistic draft sampling, and trees); bad options refused before the engine starts.
 
-Every engine runs in a child process (vllm_moa.integration.offline.run_engine).
+Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tiny_vocab import (  # noqa: E402
 )
 from vllm_env import ENGINE, ENGINE_ENV, TARGET, engine, engine_available, first_difference, moa, prompts  # noqa: E402
 
-from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),

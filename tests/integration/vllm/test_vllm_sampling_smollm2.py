@@ -8,7 +8,7 @@ verification: the drafter proposed it after the first) against the target's exac
 transformers, chi-square over the likely pairs plus an "other" bucket; the same counts against the
 distribution at 1.3x the temperature are rejected (the test has power). A cheap sentinel: the mean
 negative log-likelihood of all generated tokens under the target (the defect made it 2-6x higher).
-Every engine runs in a child process (vllm_moa.integration.offline.run_engine).
+Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from sampling_stats import chat_prompt, mean_nll, pair_p, smollm2  # noqa: E402
 from vllm_env import ENGINE_ENV, REPO, engine_available  # noqa: E402
 
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),

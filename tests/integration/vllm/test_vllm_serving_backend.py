@@ -1,5 +1,5 @@
 """Client-server over vLLM's engine (`vllm-moa serve --backend vllm`,
-vllm_moa/integration/serving_backend.py): a real server on 127.0.0.1 whose target runs in vLLM's
+vllm_moa/integration/serve/vllm_backend.py): a real server on 127.0.0.1 whose target runs in vLLM's
 CPU engine, the demo target and its trained drafters on the client. Greedy output equals the
 target's own greedy output in transformers and plain generation in vLLM, for chains and trees of
 every drafter kind; random connection cuts lose and duplicate nothing; sampled acceptance keeps the
@@ -47,7 +47,7 @@ CUT_TRIALS = 72
 
 @pytest.fixture(scope="module")
 def world():
-    from vllm_moa.integration.serving_backend import VLLMBackend
+    from vllm_moa.integration.serve.vllm_backend import VLLMBackend
     from vllm_moa.models import load_drafter
     from vllm_moa.target import TargetModel
 
@@ -194,7 +194,7 @@ def test_bad_input_over_vllm_gets_4xx_with_a_message(world):
         assert http.get("/v1/health").status_code == 200
     from vllm import SamplingParams as VllmSamplingParams
 
-    from vllm_moa.integration.serving_backend import _Waiter
+    from vllm_moa.integration.serve.vllm_backend import _Waiter
 
     waiter = backend.driver.submit(_Waiter(verify=False), [1] * 1024, VllmSamplingParams(max_tokens=1))
     with pytest.raises(BackendError, match="vLLM refused the request"):

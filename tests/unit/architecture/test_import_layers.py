@@ -37,7 +37,13 @@ def test_the_package_keeps_its_layers():
 @pytest.mark.parametrize(("module", "probe", "broken"), [
     ("vllm_moa/models/base.py", "from vllm_moa.kinds import moa", "vllm_moa.models is not allowed to import vllm_moa.kinds"),
     ("vllm_moa/config.py", "from vllm_moa.serving import protocol", "vllm_moa.config is not allowed to import vllm_moa.serving"),
-    ("vllm_moa/integration/proposer.py", "from vllm_moa.integration import patches", "no cycles among the modules"),
+    ("vllm_moa/integration/moa/tree_verification.py", "from vllm_moa.integration.moa import tree_drafts",
+     "no cycles among the modules"),
+    # integration's wings: the shell names the proposer by string and never imports the moa wing
+    ("vllm_moa/integration/shell/patches.py", "from vllm_moa.integration.moa import proposer",
+     "vllm_moa.integration.shell is not allowed to import vllm_moa.integration.moa"),
+    ("vllm_moa/integration/moa/draft_model.py", "from vllm_moa.integration.serve import offline",
+     "vllm_moa.integration.moa is not allowed to import vllm_moa.integration.serve"),
     ("kernels/paged.py", "from vllm_moa import registry", "kernels stand alone"),
     ("benchmarks/load_recorder.py", "from benchmarks import server_load", "no cycles among the modules"),
     ("vllm_moa/shipped.py", "from benchmarks import provenance", "the package never imports its benchmarks"),

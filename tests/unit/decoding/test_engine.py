@@ -9,6 +9,7 @@ import torch
 from tiny_models import make_target, oracle_sessions
 
 from vllm_moa.decoding import engine as engine_module
+from vllm_moa.decoding import target_slices
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.retrieval import Retrieval
@@ -286,14 +287,14 @@ def test_a_long_backlog_restarts_the_session_from_its_last_tokens(target, prompt
                     assert seq.session.history == prefix  # lookup reads everything
                 ids = torch.tensor([prefix])
                 fresh = MoASession(drafter, target)
-                fresh.start(ids, engine_module._last(target(ids), window + seq.result.accepted_per_forward[-1]))
+                fresh.start(ids, target_slices.last_tokens(target(ids), window + seq.result.accepted_per_forward[-1]))
                 _assert_same_caches("moa-tli0", session, fresh)
                 restarted += 1
     assert restarted > 0
     assert [r.token_ids for r in first.results + batch.results] == greedy[:8]
     ids = torch.tensor([prompts[0]])
     with pytest.raises(ValueError, match="TLI=1 MoA session starts from the whole prompt"):
-        MoASession(make_drafter("moa-tli1", target), target).start(ids, engine_module._last(target(ids), 2))
+        MoASession(make_drafter("moa-tli1", target), target).start(ids, target_slices.last_tokens(target(ids), 2))
 
 
 @pytest.mark.parametrize("kind", ["moa-tli0", "moa-tli1", "eagle", "independent"])

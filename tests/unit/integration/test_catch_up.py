@@ -1,4 +1,4 @@
-"""Which slots MoA's proposer recomputes after steps without drafts (integration/catch_up.py),
+"""Which slots MoA's proposer recomputes after steps without drafts (integration/moa/catch_up.py),
 without vLLM. The engine runs (skipped steps, catch-up, prefix-cache reuse of blocks filled at
 skipped steps) are in tests/integration/vllm/test_vllm_engine.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moa.integration.catch_up import StaleSlots, chunks
+from vllm_moa.integration.moa.catch_up import StaleSlots, chunks
 
 BLOCK = 4
 # two requests: row 0 on blocks 5, 2; row 1 on blocks 7, 1, 3 (32 blocks of 4 slots)
@@ -51,3 +51,32 @@ def test_chunks_cover_every_token_once():
     parts = chunks(1100, 512)
     assert [(p.start, p.stop) for p in parts] == [(0, 512), (512, 1024), (1024, 1100)]
     assert chunks(0) == []
+
+
+class _LSA:
+    def __init__(self, reads_final_hidden: bool) -> None:
+        self.reads_final_hidden = reads_final_hidden
+
+
+def test_only_chains_of_drafters_without_final_hidden_rows_skip_steps(monkeypatch):
+    from vllm_moa import envs
+    from vllm_moa.integration.moa.catch_up import skips_steps
+
+    monkeypatch.delenv("VLLM_MOA_CATCH_UP", raising=False)
+    assert skips_steps(False, _LSA(False))
+    assert not skips_steps(True, _LSA(False))  # trees: their first pass feeds the tree levels
+    assert not skips_steps(False, _LSA(True))  # a skipped step's final hidden states are gone
+    monkeypatch.setenv("VLLM_MOA_CATCH_UP", "0")
+    assert not envs.VLLM_MOA_CATCH_UP and not skips_steps(False, _LSA(False))
+
+
+def test_a_skipped_step_sizes_the_flags_from_the_drafter_cache_and_marks_its_slots():
+    from vllm_moa.integration.moa.catch_up import skip_step
+    from vllm_moa.integration.shell.compat import packed_kv_layout
+
+    stale = StaleSlots()
+    sa_cache = torch.zeros(32, 2, BLOCK, 2 * 8)  # [num_blocks, H_kv, block_size, 2d] (FLASH_ATTN's layout)
+    skip_step(stale, sa_cache, packed_kv_layout, torch.tensor([slot(0, 4), -1]))
+    assert stale.any and stale.skipped_steps == 1
+    rows, positions, slots = stale.stale_before(TABLE, BLOCK, [6, 0])
+    assert rows.tolist() == [0] and positions.tolist() == [4] and slots.tolist() == [slot(0, 4)]

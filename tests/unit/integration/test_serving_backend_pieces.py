@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from vllm_moa.decoding.tree import DraftTree
-from vllm_moa.integration.serving_backend import _root_to_leaf_paths, _RoundView
-from vllm_moa.integration.verify_service import Capture, pack, unpack
+from vllm_moa.integration.serve.verify_service import Capture, pack, unpack
+from vllm_moa.integration.serve.vllm_backend import _root_to_leaf_paths, _RoundView
 
 
 def _fill(capture: Capture, positions, layers=2, heads=1, dim=3, width=4, vocab=5):

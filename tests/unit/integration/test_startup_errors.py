@@ -9,7 +9,7 @@ import sys
 import pydantic
 import pytest
 
-from vllm_moa.integration import startup_errors
+from vllm_moa.integration.shell import startup_errors
 
 
 class SpeculativeConfig(pydantic.BaseModel):  # a pydantic model with vLLM's title, for a real ValidationError

@@ -1,4 +1,4 @@
-"""The head arithmetic of MoA on tensor-parallel targets (integration/tensor_parallel.py), without
+"""The head arithmetic of MoA on tensor-parallel targets (integration/shell/tp_layout.py, integration/moa/tensor_parallel.py), without
 vLLM: which heads a rank holds, which setups are refused, and how the tap's all-gather turns every
 rank's slice back into LSA's full row. The engine runs at TP = 2 and 3 are in
 tests/integration/vllm/test_vllm_tensor_parallel.py."""
@@ -8,16 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moa.integration.tensor_parallel import (
-    TapTraffic,
+from vllm_moa.integration.moa.tensor_parallel import TapTraffic, pack_fp8, unique_kv_head_rows, unpack_fp8
+from vllm_moa.integration.shell.tp_layout import (
     cpu_thread_binding,
     local_heads,
     local_kv_heads,
-    pack_fp8,
     tensor_parallel_refusal,
     tp_options,
-    unique_kv_head_rows,
-    unpack_fp8,
 )
 from vllm_moa.kernels.paged import gather_layer_rows, new_kv_cache, write_slots
 

@@ -18,15 +18,15 @@ from tiny_models import make_hf_target
 from transformers import AutoConfig
 
 from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
-from vllm_moa.integration import compat
-from vllm_moa.integration.draft_config import (
+from vllm_moa.integration.moa.tap import PAD_SLOT, row_seq_lens, slots_of, tap_write_slots, verified_mask
+from vllm_moa.integration.shell import compat
+from vllm_moa.integration.shell.draft_config import (
     MoAVllmConfig,
     UnsupportedMoASetup,
     check_kv_cache_dtype,
     check_moa_drafter,
 )
-from vllm_moa.integration.signature import signature_from_hf_config
-from vllm_moa.integration.tap import PAD_SLOT, row_seq_lens, slots_of, tap_write_slots, verified_mask
+from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.target import TargetModel, stack_layer_kv
 
@@ -295,19 +295,19 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_the_plugin_imports_nothing_heavy():
-    out = _python("import sys, vllm_moa.integration.plugin\n"
+    out = _python("import sys, vllm_moa.integration.shell.plugin\n"
                   "print([m for m in ('vllm', 'torch', 'transformers') if m in sys.modules])")
     assert out.stdout.strip() == "[]"
 
 
 def test_plugin_can_be_switched_off():
-    assert _python("import vllm_moa.integration.plugin as p; print(p.register())",
+    assert _python("import vllm_moa.integration.shell.plugin as p; print(p.register())",
                    VLLM_MOA_PLUGIN="0").stdout.strip() == "False"
 
 
 @pytest.mark.skipif(compat.installed_vllm_version() is not None, reason="vLLM is installed here")
 def test_without_vllm_the_plugin_says_so_and_does_nothing():
-    out = _python("import vllm_moa.integration.plugin as p; print(p.register())")
+    out = _python("import vllm_moa.integration.shell.plugin as p; print(p.register())")
     assert out.stdout.strip() == "False"
     assert "vLLM is not installed" in out.stderr
 

@@ -1,4 +1,4 @@
-"""Lookup drafts inside vLLM, the parts that need no vLLM (integration/retrieval.py and the
+"""Lookup drafts inside vLLM, the parts that need no vLLM (integration/moa/lookup_drafts.py and the
 moa_retrieval config check): which rows draft from lookup, each row's tokens so far from vLLM's
 step buffers, the lookup chains and trees, and point-mass draft probabilities. The engine tests
 (tests/integration/vllm/test_vllm_retrieval.py) run them for real."""
@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from vllm_moa.decoding.retrieval import Retrieval
-from vllm_moa.integration.draft_config import UnsupportedMoASetup, retrieval_options
-from vllm_moa.integration.retrieval import (
+from vllm_moa.integration.moa.lookup_drafts import (
+    LookupDrafting,
     lookup_chain,
     lookup_tree,
     one_hot_rows,
     plan_lookups,
     request_histories,
 )
+from vllm_moa.integration.shell.draft_config import UnsupportedMoASetup, retrieval_options
 
 REPEATING = [5, 6, 7, 8, 9, 1, 2, 5, 6]  # pending 7: "5 6 7" occurred, followed by 8 9 1 2
 
@@ -86,3 +87,37 @@ def test_retrieval_options_default_and_off():
     assert retrieval_options(None) is None
     assert retrieval_options({}) == Retrieval()
     assert retrieval_options({"max_ngram": 6, "alone_at": 2}) == Retrieval(max_ngram=6, alone_at=2)
+
+
+class _Rows:
+    """The two things LookupDrafting reads of vLLM's runner per row (compat's RunnerView in the engine)."""
+
+    def __init__(self, verified: list[list[int]], scheduled: list[int]) -> None:
+        self.verified, self.scheduled = verified, scheduled
+
+    def verified_token_ids(self, row: int) -> list[int]:
+        return self.verified[row]
+
+    def scheduled_draft_count(self, row: int) -> int:
+        return self.scheduled[row]
+
+
+def test_lookup_drafting_plans_a_step_and_counts_its_rounds():
+    # row 0 ends "... 5 6" and the target sampled 7: "5 6 7" occurred before; row 1 has no match
+    drafting = LookupDrafting(Retrieval(), tree_depth=None)
+    view = _Rows([REPEATING, [1, 2, 3, 4]], [0, 0])
+    step_tokens = torch.tensor([6, 4])  # one token per row (no drafts were scheduled)
+    plan = drafting.plan(view, step_tokens, torch.tensor([7, 9]), [0, 1, 2], None, count=3)
+    assert plan.rows == [0] and drafting.rounds == {"model": 1, "retrieval": 1}
+    drafts, probs = LookupDrafting.chains(torch.tensor([[1, 1, 1], [2, 2, 2]]), plan, 3,
+                                          torch.full((2, 3, 10), 0.1), torch.device("cpu"))
+    assert drafts.tolist() == [[8, 9, 1], [2, 2, 2]]  # the lookup row replaced, the model's row kept
+    assert probs[0].argmax(-1).tolist() == [8, 9, 1] and probs[0].sum().item() == 3.0  # point masses
+    assert torch.all(probs[1] == 0.1)
+
+
+def test_lookup_drafting_hands_whole_batches_to_lookup():
+    drafting = LookupDrafting(Retrieval(), tree_depth=None)
+    plan = drafting.plan(_Rows([REPEATING], [0]), torch.tensor([6]), torch.tensor([7]), [0, 1], None, count=3)
+    drafts, probs = LookupDrafting.chains(torch.empty(1, 0, dtype=torch.long), plan, 3, None, torch.device("cpu"))
+    assert plan.every_row and drafts.tolist() == [[8, 9, 1]] and probs is None

@@ -1,4 +1,4 @@
-"""Draft trees inside vLLM, the parts that need no vLLM (integration/tree.py): the step's plan
+"""Draft trees inside vLLM, the parts that need no vLLM (integration/moa/tree_verification.py): the step's plan
 (RoPE positions by depth), the tree mask in the target's attention over vLLM's CPU_ATTN cache
 layout, acceptance with the accepted path's KV moved to the chain's slots, and the moa_tree
 config checks. The engine tests (tests/integration/vllm/test_vllm_tree.py) run them for real."""
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
-from vllm_moa.integration import compat
-from vllm_moa.integration.draft_config import UnsupportedMoASetup, requested_chain_if_faster, tree_spec
-from vllm_moa.integration.tree import DraftedTrees, pad_tree, plan_step
-from vllm_moa.integration.tree_or_chain import TreeOrChain
+from vllm_moa.integration.moa.tree_or_chain import TreeOrChain
+from vllm_moa.integration.moa.tree_verification import DraftedTrees, pad_tree, plan_step
+from vllm_moa.integration.shell import compat
+from vllm_moa.integration.shell.draft_config import UnsupportedMoASetup, requested_chain_if_faster, tree_spec
 from vllm_moa.kernels.paged import split_kv_cache
 
 H, H_KV, D, BLOCK = 4, 2, 32, 32
@@ -35,7 +35,8 @@ def _drafted(req_id: str = "a", parents=PARENTS, tokens=TOKENS) -> DraftedTrees:
     return drafted
 
 
-def _step(prefix: int, lead: int = 3, positions: torch.Tensor | None = None, drafted: DraftedTrees | None = None):
+def _step(prefix: int, lead: int = 3, positions: torch.Tensor | None = None, drafted: DraftedTrees | None = None,
+          layout=compat.cpu_vec_kv_layout):
     """One request 'a' at batch row 1, after a request 'b' of `lead` tokens: its root at row lead,
     its 6 nodes at rows lead+1 .. lead+6; positions as vLLM lays out chains."""
     n = len(PARENTS)
@@ -44,7 +45,7 @@ def _step(prefix: int, lead: int = 3, positions: torch.Tensor | None = None, dra
     if positions is None:
         positions = torch.cat([torch.arange(40, 40 + lead), torch.arange(prefix, prefix + n)])
     step = plan_step(drafted or _drafted(), {"a": TOKENS[1:]}, {"b": 0, "a": 1}, qsl, num_computed, positions,
-                     frozenset([LAYER.layer_name]), compat.cpu_vec_kv_layout)
+                     frozenset([LAYER.layer_name]), layout)
     return step, positions
 
 
@@ -70,7 +71,9 @@ def test_plan_gives_tree_rows_positions_by_depth_and_leaves_chains_alone():
 
 def _cpu_cache(num_blocks: int = 6) -> torch.Tensor:
     torch.manual_seed(0)
-    return torch.randn(num_blocks, H_KV, BLOCK, 2 * D)  # CPU_ATTN "vec": [blocks, H_kv, block, 2d]
+    # CPU_ATTN "vec" and the GPU backends (FLASH_ATTN, TRITON_ATTN) allocate [blocks, H_kv, block, 2d];
+    # the layouts differ in how K and V sit inside (compat.cpu_vec_kv_layout / packed_kv_layout)
+    return torch.randn(num_blocks, H_KV, BLOCK, 2 * D)
 
 
 def _attend(step, cache, block_table, query):
@@ -79,9 +82,9 @@ def _attend(step, cache, block_table, query):
     return output.view(-1, H, D)
 
 
-def _expected(cache, block_row, prefix_len, first_node_pos, node, q):
+def _expected(cache, block_row, prefix_len, first_node_pos, node, q, layout=compat.cpu_vec_kv_layout):
     """Plain attention of node's query over prefix + the node's own path, read from the cache."""
-    k, v = split_kv_cache(cache, compat.cpu_vec_kv_layout)
+    k, v = split_kv_cache(cache, layout)
     path, at = [], node
     while at > 0:
         path.append(at)
@@ -94,11 +97,24 @@ def _expected(cache, block_row, prefix_len, first_node_pos, node, q):
     return F.scaled_dot_product_attention(q[:, None], keys, values)[:, 0]  # [H, d]
 
 
-def test_tree_mask_lets_a_node_see_the_prefix_and_its_ancestors_only():
+# (backend, its cache layout, the kernels the worker runs there): CPU_ATTN takes the planned PyTorch
+# path; the GPU backends take the Triton tree kernel, run here under TRITON_INTERPRET=1 on CPU tensors
+BACKEND_PATHS = [("CPU_ATTN", compat.cpu_vec_kv_layout, "auto"), ("TRITON_ATTN", compat.packed_kv_layout, "triton"),
+                 ("FLASH_ATTN", compat.packed_kv_layout, "triton")]
+
+
+@pytest.mark.parametrize(("backend", "layout", "kernels"), BACKEND_PATHS, ids=[b[0] for b in BACKEND_PATHS])
+def test_tree_mask_lets_a_node_see_the_prefix_and_its_ancestors_only(backend, layout, kernels, monkeypatch):
     """Each node row equals attention over exactly its prefix and its own path; changing the KV
     of a node that is not its ancestor leaves it unchanged, changing an ancestor's does not."""
+    from vllm_moa.kernels import HAS_TRITON
+
+    if kernels == "triton" and not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("VLLM_MOA_KERNELS", kernels)
+    assert compat.kv_layout_for_backend(backend, "vec") is layout
     prefix = 45  # the root at position 45, nodes at 46 .. 51: the tree straddles blocks 1 and 2
-    step, _ = _step(prefix)
+    step, _ = _step(prefix, layout=layout)
     cache = _cpu_cache()
     block_table = torch.tensor([[0, 1, 2, 3], [4, 2, 5, 3]], dtype=torch.int32)  # request a: blocks 4, 2, 5
     torch.manual_seed(1)
@@ -106,13 +122,13 @@ def test_tree_mask_lets_a_node_see_the_prefix_and_its_ancestors_only():
     got = _attend(step, cache, block_table, query)
     assert torch.isnan(got[:4]).all()  # rows of the other request and the root: vLLM's, untouched
     for node in range(1, 7):
-        want = _expected(cache, block_table[1], prefix + 1, prefix + 1, node, query[3 + node])
+        want = _expected(cache, block_table[1], prefix + 1, prefix + 1, node, query[3 + node], layout)
         torch.testing.assert_close(got[3 + node], want, rtol=1e-5, atol=1e-5)
-    k, _ = split_kv_cache(cache, compat.cpu_vec_kv_layout)
+    k, _ = split_kv_cache(cache, layout)
     for other in range(1, 7):  # perturb node `other`'s key where vLLM wrote it (position prefix + other)
         pos = prefix + other
         perturbed = cache.clone()
-        split_kv_cache(perturbed, compat.cpu_vec_kv_layout)[0][int(block_table[1, pos // BLOCK]), pos % BLOCK] += 5.0
+        split_kv_cache(perturbed, layout)[0][int(block_table[1, pos // BLOCK]), pos % BLOCK] += 5.0
         changed = _attend(step, perturbed, block_table, query)
         for node in range(1, 7):
             ancestors, at = set(), node
@@ -181,7 +197,7 @@ def test_pad_tree_fills_the_budget_with_root_children():
     ({"depth": 2, "top_k": 2}, 30, 0, "0.32.0", "exceeds the 6 nodes"),
     ({"depth": 5, "top_k": 8}, 65, 0, "0.32.0", "at most 64 nodes"),
     ({"depth": 5, "top_k": 4}, 16, 1, "0.32.0", "TLI=1"),
-    ({"depth": 5, "top_k": 4}, 16, 0, "0.26.0", "vLLM 0.26.0"),
+    ({"depth": 5, "top_k": 4}, 16, 0, "0.30.0", "vLLM 0.30.0"),
     ([5, 4], 16, 0, "0.32.0", "must be an object"),
     ({"depth": True, "top_k": 4}, 16, 0, "0.32.0", "depth must be an integer"),
     ({"depth": 3, "top_k": 2, "chain_if_faster": "yes"}, 4, 0, "0.32.0", "chain_if_faster must be true or false"),
@@ -195,6 +211,7 @@ def test_tree_config_refusals_name_the_problem(moa_tree, budget, tli, version, w
 def test_tree_config():
     spec = tree_spec({"depth": 5, "top_k": 4}, 16, 0, "0.32.0")
     assert (spec.depth, spec.top_k, spec.budget) == (5, 4, 16)
+    assert tree_spec({"depth": 5, "top_k": 4}, 16, 0, "0.26.0") == spec  # the lent GPUs' vLLM
     assert tree_spec({"depth": 5, "top_k": 4, "chain_if_faster": True}, 16, 0, "0.32.0") == spec
     assert tree_spec(None, 16, 1, "0.26.0") is None
     config = SimpleNamespace(moa_tree={"depth": 3, "top_k": 2, "chain_if_faster": True})
@@ -271,7 +288,7 @@ def _sampling(**changes):
 
 
 def test_steps_that_need_vllms_chain_rows_are_verified_as_chains():
-    from vllm_moa.integration.tree import chain_only_reason
+    from vllm_moa.integration.moa.tree_verification import chain_only_reason
 
     class LogitBiasLogitsProcessor:  # vLLM's built-in, by name; active when a request sets biases
         def __init__(self, biases):
@@ -298,7 +315,7 @@ def test_steps_that_need_vllms_chain_rows_are_verified_as_chains():
 
 
 def test_preorder_puts_the_best_path_first_and_keeps_parents_first():
-    from vllm_moa.integration.tree import preorder
+    from vllm_moa.integration.moa.tree_verification import preorder
 
     ordered = preorder(_drafted().by_request["a"])
     # root; 1 (best child) with its subtree 3 -> 6, then 4; then 2 with 5
@@ -308,7 +325,7 @@ def test_preorder_puts_the_best_path_first_and_keeps_parents_first():
 
 
 def test_tree_setup_refuses_what_acts_on_chain_verification():
-    from vllm_moa.integration.draft_config import check_tree_setup
+    from vllm_moa.integration.shell.draft_config import check_tree_setup
 
     check_tree_setup(SimpleNamespace(num_speculative_tokens_per_batch_size=None, rejection_sample_method="standard"), None)
     for spec, kv, word in ((SimpleNamespace(num_speculative_tokens_per_batch_size=[(1, 8, 4)]), None, "per_batch_size"),

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from vllm_moa.integration.compat import cpu_vec_kv_layout
+from vllm_moa.integration.shell.compat import cpu_vec_kv_layout
 from vllm_moa.kernels import new_kv_cache, slot_mapping, tree_ancestor_masks, write_slots
 
 BLOCK_SIZE = 16

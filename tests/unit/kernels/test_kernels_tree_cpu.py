@@ -9,7 +9,7 @@ import pytest
 import torch
 from paged_trees import BLOCK_SIZE, build_batch
 
-from vllm_moa.integration.compat import cpu_vec_kv_layout
+from vllm_moa.integration.shell.compat import cpu_vec_kv_layout
 from vllm_moa.kernels import (
     gather_blocks,
     new_kv_cache,

@@ -57,7 +57,7 @@ def test_rows_depend_on_the_layers_read_only():
 def test_paged_twin_reads_the_same_layers():
     """What vLLM's tap runs on CPU (the twin over the selected layers' paged caches) equals the
     runtime's rows."""
-    from vllm_moa.integration import compat
+    from vllm_moa.integration.shell import compat
     from vllm_moa.kernels import lsa_attention_reference, write_slots
 
     target = make_target("llama")

@@ -87,8 +87,8 @@ def step(drafter: MoADrafter, batch: BatchedRound, target: TargetModel, levels: 
         sa_mask[row, 0, :n, : batch.verified[row]] = True
         if fed:
             sa_mask[row, 0, :n, batch.columns[row]] = visible[:, :fed]
-    hidden = drafter.sa(target.embed(tokens), positions, sa_mask, batch.sa)  # [B, n, E]
-    feature = drafter._head(drafter.ca(hidden, positions, batch.row_k, batch.row_v, batch.ca_mask))
+    feature = drafter.features(target.embed(tokens), positions, sa_mask, batch.sa, batch.row_k, batch.row_v,
+                               batch.ca_mask)  # [B, n, E]
     logits = drafter.draft_logits(feature, target)  # [B, n, V]
     out: list[Tensor | None] = []
     for row, level in enumerate(levels):
@@ -116,7 +116,7 @@ def rows_for_many(drafter: MoADrafter, verified: list[TargetOutput]) -> list[Ten
     lengths = [out.keys[0].shape[2] for out in verified]
     keys = [torch.cat(per_layer, dim=2) for per_layer in zip(*(out.keys for out in verified))]
     values = [torch.cat(per_layer, dim=2) for per_layer in zip(*(out.values for out in verified))]
-    final = torch.cat([out.hidden_states[-1] for out in verified], dim=1) if drafter.lsa.hidden2e is not None else None
+    final = torch.cat([out.hidden_states[-1] for out in verified], dim=1) if drafter.lsa.reads_final_hidden else None
     rows = drafter.rows_from_kv(keys, values, final)  # [1, sum n_b, E]
     return list(rows.split(lengths, dim=1))
 

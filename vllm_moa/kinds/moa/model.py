@@ -71,6 +71,12 @@ class LayerSelfAttention(nn.Module):
         self.layers = config.lsa_layers
         self.reads_all_layers = len(self.layers) == sig.num_layers
 
+    @property
+    def reads_final_hidden(self) -> bool:
+        """Whether a row also reads its token's final hidden state (config final_hidden_rows): callers
+        hand the hidden states to every row-making call and ask this, never the option."""
+        return self.hidden2e is not None
+
     def select(self, per_layer: Sequence[T]) -> list[T]:
         """The entries of the layers LSA reads, from a per-target-layer sequence (caches, K or V)."""
         return list(per_layer) if self.reads_all_layers else [per_layer[i] for i in self.layers]
@@ -208,6 +214,18 @@ class MoADrafter(Drafter):
         """CA output -> predicted feature (TLI = 0: final post-norm hidden; else: hidden entering L-N)."""
         return self.out_norm(ca_out) if self.out_norm is not None else ca_out
 
+    def features(self, embeds: Tensor, positions: Tensor, sa_mask: Tensor | None, sa_cache: KVCache | None,
+                 row_k: Tensor, row_v: Tensor, ca_mask: Tensor | None) -> Tensor:
+        """MoA's forward, written once: token embeddings [B, T, E] at positions [B, T] -> SA (with
+        its cache when drafting) -> CA over the rows' keys/values [B, H_kv, R, d] -> the predicted
+        feature [B, T, E]. Training (whole sequences, K-step-bounded masks), incremental drafting
+        (draft_step) and batched drafting (batched.py) differ only in the masks and caches they
+        pass. The vLLM-native drafter (integration/moa/draft_model.py) keeps its own copy: vLLM's
+        layers own the paged KV, the compiled graph and the tensor-parallel split (pinned to this
+        one by tests/integration/vllm/test_vllm_model.py)."""
+        hidden = self.sa(embeds, positions, sa_mask, sa_cache)
+        return self._head(self.ca(hidden, positions, row_k, row_v, ca_mask))
+
     # -- training mode ------------------------------------------------------------------------
     def training_forward(self, batch: TrainingBatchView, target: TargetModel, target_out: TargetOutput) -> DraftOutput:
         ids, s = batch.input_ids, batch.last_anchor
@@ -229,9 +247,9 @@ class MoADrafter(Drafter):
             flat = self.lsa(layer_rows.index_select(0, real))  # [R, E]
             flat = self.lsa.add_final_hidden(flat, None if final_in is None else final_in.index_select(0, real))
             rows = flat.new_zeros(b * t, flat.shape[-1]).index_copy(0, real, flat).view(b, t, -1)
-        hidden = self.sa(target.embed(ids), positions, self_attention_mask(s, batch.staircase))
         row_k, row_v = self.ca.row_keys_values(rows, positions)
-        feature = self._head(self.ca(hidden, positions, row_k, row_v, cross_attention_mask(s)))
+        feature = self.features(target.embed(ids), positions, self_attention_mask(s, batch.staircase), None,
+                                row_k, row_v, cross_attention_mask(s))
         if self.tli == 0:
             return DraftOutput(self.vocab_logits(feature, target), [(feature, final_target, 1.0)], self.draft_vocab)
         # TLI > 0: at anchors the true hidden state replaces the prediction (the target's own
@@ -322,13 +340,13 @@ class MoADrafter(Drafter):
             sa_mask = None  # a chain's step (or a tree's first level): its one query sees every key
         else:
             sa_mask = torch.cat([torch.ones(n, num_rows, dtype=torch.bool, device=device), visible], dim=-1)[None, None]
-        hidden = self.sa(target.embed(input_ids), positions, sa_mask, state.sa)
         if start >= num_rows:  # drafting past the verified prefix: every row is visible (no mask)
             ca_mask = None
         else:
             row_pos = torch.arange(num_rows, device=device)
             ca_mask = (row_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, n, R]: j <= position
-        feature = self._head(self.ca(hidden, positions, state.row_k, state.row_v, ca_mask))
+        feature = self.features(target.embed(input_ids), positions, sa_mask, state.sa, state.row_k, state.row_v,
+                                ca_mask)
         if self.tli == 0:
             return self.draft_logits(feature, target)
         # the last N layers: true rows of verified tokens, then predicted rows of drafted ones

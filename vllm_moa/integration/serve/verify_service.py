@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vllm_moa.integration import compat
-from vllm_moa.integration.patches import VllmPatch
+from vllm_moa.integration.shell import compat
+from vllm_moa.integration.shell.patches import VllmPatch
 from vllm_moa.kernels.paged import gather_slots
 
 VERIFY_ARG = "moa_verify"

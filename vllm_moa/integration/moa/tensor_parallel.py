@@ -27,21 +27,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vllm_moa import envs
+from vllm_moa.integration.shell.tp_layout import tp_options, tp_size
 
-DRAFTER_MLPS = ("sharded", "replicated")  # VLLM_MOA_TP_DRAFTER_MLP
-TAP_DTYPES = ("auto", "fp8")  # VLLM_MOA_TP_TAP_DTYPE
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
-
-
-def tp_options() -> tuple[str, str]:
-    """(VLLM_MOA_TP_DRAFTER_MLP, VLLM_MOA_TP_TAP_DTYPE), checked: a ValueError names a bad value."""
-    mlp, tap = envs.VLLM_MOA_TP_DRAFTER_MLP, envs.VLLM_MOA_TP_TAP_DTYPE
-    if mlp not in DRAFTER_MLPS:
-        raise ValueError(f"VLLM_MOA_TP_DRAFTER_MLP={mlp!r}: expected one of {list(DRAFTER_MLPS)}")
-    if tap not in TAP_DTYPES:
-        raise ValueError(f"VLLM_MOA_TP_TAP_DTYPE={tap!r}: expected one of {list(TAP_DTYPES)}")
-    return mlp, tap
 
 
 def pack_fp8(rows: Tensor, head_dim: int) -> Tensor:
@@ -66,39 +54,6 @@ def unpack_fp8(packed: Tensor, vectors: int, head_dim: int, dtype: torch.dtype) 
     codes = raw[..., :width].view(torch.float8_e4m3fn).float().unflatten(-1, (vectors, head_dim))
     scales = raw[..., width: width + 4 * vectors].contiguous().view(torch.float32)  # [..., vectors]
     return (codes * scales.unsqueeze(-1)).flatten(-2).to(dtype)
-
-
-def local_heads(total: int, tp_size: int, what: str) -> int:
-    """Heads of one rank when `total` heads are split `tp_size` ways (attention heads must divide)."""
-    if total % tp_size:
-        raise ValueError(f"{what} heads: {total} heads do not split across tensor_parallel_size={tp_size}")
-    return total // tp_size
-
-
-def local_kv_heads(total: int, tp_size: int, what: str = "KV") -> int:
-    """KV heads of one rank as vLLM's QKVParallelLinear lays them out: split when tp_size <= total
-    (total must divide), else one head per rank, each replicated on tp_size / total ranks."""
-    if tp_size <= total:
-        return local_heads(total, tp_size, what)
-    if tp_size % total:
-        raise ValueError(f"{what} heads: tensor_parallel_size={tp_size} is not a multiple of the {total} heads")
-    return 1
-
-
-def tensor_parallel_refusal(tp_size: int, *, sa_heads: int, sa_kv_heads: int, ca_heads: int,
-                            ca_kv_heads: int, target_kv_heads: int) -> str | None:
-    """Why a drafter with these head counts cannot run at tensor parallel size `tp_size` (None: it can).
-    CA's keys/values come from a column-parallel projection of the Ekv2E rows, which splits whole
-    heads only: CA's KV heads must divide (no replication)."""
-    try:
-        local_heads(sa_heads, tp_size, "the drafter's SA")
-        local_kv_heads(sa_kv_heads, tp_size, "the drafter's SA KV")
-        local_heads(ca_heads, tp_size, "the drafter's CA")
-        local_heads(ca_kv_heads, tp_size, "the drafter's CA KV")
-        local_kv_heads(target_kv_heads, tp_size, "the target's KV")
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def unique_kv_head_rows(gathered: Tensor, tp_size: int, total_kv_heads: int) -> Tensor:
@@ -163,20 +118,6 @@ def worker_tap_traffic(worker: Any) -> dict[str, Any]:
     mlp, tap = tp_options()
     return {"rank": get_tensor_model_parallel_rank(), **asdict(traffic), "bytes_sent": traffic.bytes_sent,
             "drafter_mlp": mlp, "tap_dtype": tap}
-
-
-def cpu_thread_binding(tp: int, cores: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks on `cores`: all of them for one rank, else rank r on
-    core r mod n (two ranks share a core when there are more ranks than cores)."""
-    if tp == 1:
-        return f"{cores[0]}-{cores[-1]}"
-    return "|".join(str(cores[r % len(cores)]) for r in range(tp))
-
-
-def tp_size() -> int:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    return get_tensor_model_parallel_world_size()
 
 
 def gather_full_rows(local: Tensor, total_kv_heads: int, traffic: TapTraffic, step_tokens: int,

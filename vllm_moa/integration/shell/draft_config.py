@@ -11,9 +11,9 @@ from typing import Any
 
 from vllm_moa import envs
 from vllm_moa.config import DrafterConfigError, read_drafter_config
-from vllm_moa.integration import compat
-from vllm_moa.integration.signature import signature_from_hf_config
-from vllm_moa.integration.tensor_parallel import tensor_parallel_refusal, tp_options
+from vllm_moa.integration.shell import compat
+from vllm_moa.integration.shell.signature import signature_from_hf_config
+from vllm_moa.integration.shell.tp_layout import tensor_parallel_refusal, tp_options
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.packed_linear import check_drafter_weights
 
@@ -98,7 +98,7 @@ def check_moa_drafter(
 
     check_parallel_setup(config, target_hf_config, tensor_parallel_size, pipeline_parallel_size,
                          draft_tensor_parallel_size)
-    try:  # read again by the worker (integration/model.py): refused here, before any engine starts
+    try:  # read again by the worker (integration/moa/draft_model.py): refused here, before any engine starts
         check_drafter_weights(envs.VLLM_MOA_DRAFTER_WEIGHTS, "VLLM_MOA_DRAFTER_WEIGHTS")
         tp_options()
     except ValueError as err:
@@ -172,7 +172,7 @@ def check_object_keys(field: str, value: Any, allowed: tuple[str, ...], example:
 
 TREE_FIELD = "moa_tree"  # speculative_config key (patches.TreeFieldPatch declares it on SpeculativeConfig)
 TREE_KEYS = ("depth", "top_k")  # required
-TREE_CHAIN_IF_FASTER = "chain_if_faster"  # optional, true by default (integration/tree_or_chain.py)
+TREE_CHAIN_IF_FASTER = "chain_if_faster"  # optional, true by default (integration/moa/tree_or_chain.py)
 MAX_TREE_NODES = 64  # kernels.tree: a node's ancestors are one int64 bitmask
 
 
@@ -202,7 +202,7 @@ def tree_spec(moa_tree: Any, budget: int, tli: int, vllm_version: str | None = N
         raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) run with MoA TLI=0 drafters; this drafter has "
                                   f"TLI={tli} (use it as a chain: drop {TREE_FIELD})")
     if vllm_version is not None and not compat.in_series(vllm_version, compat.TREE_SERIES):
-        raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) are verified inside vLLM {compat.TREE_SERIES}; "
+        raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) are verified inside vLLM {compat.TREE_VERSIONS}; "
                                   f"this is vLLM {vllm_version} (chains run there: drop {TREE_FIELD})")
     try:
         return DraftSpec.tree(depth=values["depth"], top_k=values["top_k"], budget=budget)
@@ -264,3 +264,17 @@ def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
         if value:
             raise UnsupportedMoASetup(f"draft trees ({TREE_FIELD}) do not take {option} (it acts on vLLM's chain "
                                       f"verification or its KV layout per step); drop one of them")
+
+
+def check_tree_graphs(cudagraph_mode: Any) -> None:
+    """Draft trees mask the target's node rows in Python after the attention backend's kernel
+    (shell/tree_patches.py): a full CUDA graph replays the kernel alone, so the tree mask would be
+    skipped. `cudagraph_mode`: the engine's resolved CompilationConfig.cudagraph_mode (None or
+    NONE: eager; PIECEWISE keeps attention outside the graphs)."""
+    has_full = getattr(cudagraph_mode, "has_full_cudagraphs", None)
+    if has_full is not None and has_full():
+        raise UnsupportedMoASetup(
+            f"draft trees ({TREE_FIELD}) verify with a tree mask applied outside CUDA graphs; this engine captures "
+            f"full CUDA graphs (cudagraph_mode {cudagraph_mode.name}). Pass "
+            "compilation_config={\"cudagraph_mode\": \"PIECEWISE\"} (or --enforce-eager), or drop "
+            f"{TREE_FIELD} to draft chains")

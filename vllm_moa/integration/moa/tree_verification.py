@@ -5,7 +5,8 @@ positions p+1 .. p+K, each attending causally to all before it, and the rejectio
 them in order. MoA drafts an EAGLE-2 tree of B nodes instead (MoAProposer) and hands the
 scheduler its tokens parents-first (num_speculative_tokens = B: slots, lookahead and the
 scheduler's accounting stay vLLM's); the parent array stays in the worker (`DraftedTrees`).
-Three declared patches (patches.py) then make one target forward verify the tree:
+Three declared patches (shell/tree_patches.py) then make one target forward verify the tree;
+the step being verified travels on the proposer's TreeDrafting (tree_drafts.py), not in a global:
 
     1. after vLLM's `_prepare_inputs` laid the step out as chains (slot mapping from the chain
        positions, so node j's KV is written at logical position p+1+j), `plan_step` turns the
@@ -53,7 +54,10 @@ from vllm_moa.kernels import (
 )
 from vllm_moa.kernels.paged import gather_slots, write_slots
 
-TREE_BACKENDS = ("CPU_ATTN",)  # attention backends whose forward TreeAttentionPatch masks
+# attention backends whose forward the tree patches mask (shell/tree_patches.py): CPU_ATTN through
+# the planned PyTorch path, TRITON_ATTN and FLASH_ATTN through the Triton tree kernel (kernels/tree.py)
+# after the backend's own causal forward; both GPU backends lay the cache out as compat.packed_kv_layout
+TREE_BACKENDS = ("CPU_ATTN", "TRITON_ATTN", "FLASH_ATTN")
 GREEDY_BELOW = 1e-5  # vLLM treats temperatures below its _SAMPLING_EPS as greedy
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID in sampled_token_ids
 
@@ -137,9 +141,13 @@ class TreeStep:
     prefix_lens: Tensor  # [R] p + 1: the root is part of every node's prefix
     cu_nodes: Tensor  # [R + 1] node offsets
     ancestor_masks: Tensor  # [T] int64 (kernels.tree_ancestor_masks)
+    max_nodes: int = 0  # the largest tree's node count (host: the Triton kernel needs no device sync)
+    max_prefix: int = 0  # the longest prefix (p + 1), likewise
     # CPU: what every target layer of the step shares, planned at the first layer (by block table
     # and block size: the target's layers share one KV-cache group)
     _plan: tuple[tuple[int, int, int], TreeAttentionPlan] | None = field(default=None, init=False, repr=False)
+    # GPU: the step's index tensors on the layers' device, copied once per step
+    _on_device: tuple[torch.device, tuple[Tensor, ...]] | None = field(default=None, init=False, repr=False)
 
     # -- 2. the target's attention ---------------------------------------------------------------
     def attend(self, layer: Any, scale: float, query: Tensor, kv_cache: Tensor, block_table: Tensor,
@@ -148,17 +156,26 @@ class TreeStep:
         query [N, H, d]; block_table [num_reqs, max_blocks]: the layer's kernel block table."""
         if layer.layer_name not in self.layer_names:
             return
-        rows = self.node_rows.to(query.device)
         heads, head_dim = query.shape[1], query.shape[2]
         if use_triton(query.device):
+            rows, req_rows, prefix_lens, cu_nodes, masks = self.device_tensors(query.device)
             out = tree_attention_paged(
-                query[rows], kv_cache, block_table[self.req_rows.to(block_table.device)], self.prefix_lens,
-                self.cu_nodes, self.ancestor_masks, layout=self.layout, sm_scale=scale,
+                query[rows], kv_cache, block_table[req_rows.to(block_table.device)], prefix_lens, cu_nodes, masks,
+                layout=self.layout, sm_scale=scale, max_tree_nodes=self.max_nodes, max_prefix_len=self.max_prefix,
             )  # [T, H, d]
         else:
+            rows = self.node_rows.to(query.device)
             out = tree_attention_planned(query[rows], kv_cache, self._plan_for(kv_cache, block_table, heads),
                                          layout=self.layout, sm_scale=scale)  # [T, H, d]
         output.view(output.shape[0], heads, head_dim)[rows] = out.to(output.dtype)
+
+    def device_tensors(self, device: torch.device) -> tuple[Tensor, ...]:
+        """(node_rows, req_rows, prefix_lens, cu_nodes, ancestor_masks) on `device`, copied at the
+        step's first target layer and reused by the others."""
+        if self._on_device is None or self._on_device[0] != device:
+            tensors = (self.node_rows, self.req_rows, self.prefix_lens, self.cu_nodes, self.ancestor_masks)
+            self._on_device = device, tuple(t.to(device, non_blocking=True) for t in tensors)
+        return self._on_device[1]
 
     def _plan_for(self, kv_cache: Tensor, block_table: Tensor, heads: int) -> TreeAttentionPlan:
         k = split_kv_cache(kv_cache, self.layout)[0]  # [num_blocks, block_size, H_kv, d]
@@ -304,24 +321,5 @@ def plan_step(drafted: DraftedTrees, spec_tokens: dict[str, list[int]], req_id_t
         node_rows=node_rows, req_rows=torch.tensor([r.index for r in requests]),
         prefix_lens=torch.tensor([r.prefix + 1 for r in requests]), cu_nodes=cu_nodes,
         ancestor_masks=tree_ancestor_masks(kernel_parents, cu_nodes),
+        max_nodes=max(r.tree.size - 1 for r in requests), max_prefix=max(r.prefix + 1 for r in requests),
     )
-
-
-# The step being verified in this worker process: set by the runner's _prepare_inputs (patched),
-# read by the target's attention layers, taken by the runner's _sample.
-_ACTIVE: TreeStep | None = None
-
-
-def set_active(step: TreeStep | None) -> None:
-    global _ACTIVE
-    _ACTIVE = step
-
-
-def active() -> TreeStep | None:
-    return _ACTIVE
-
-
-def take_active() -> TreeStep | None:
-    global _ACTIVE
-    step, _ACTIVE = _ACTIVE, None
-    return step

@@ -21,7 +21,7 @@ SA and CA are built from vLLM layers (QKV/merged/row-parallel linears, RMSNorm, 
 Attention), so vLLM owns their KV blocks (in the target's block tables), their attention
 backend and their compilation; under tensor parallelism they shard by heads like the target's
 attention, and the tap gathers each verified token's KV-head slices from every rank
-(integration/tensor_parallel.py). LSA is `vllm_moa.kinds.moa.model.LayerSelfAttention`, the module
+(integration/moa/tensor_parallel.py). LSA is `vllm_moa.kinds.moa.model.LayerSelfAttention`, the module
 whose weights the LSA kernel reads.
 """
 
@@ -51,10 +51,10 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from vllm_moa import envs
 from vllm_moa.config import DrafterConfigError
-from vllm_moa.integration import tensor_parallel
+from vllm_moa.integration.moa import tensor_parallel
+from vllm_moa.integration.shell import tp_layout
 from vllm_moa.kernels import lsa_attention
-from vllm_moa.kernels.paged import gather_layer_rows, gather_slots, split_kv_cache
-from vllm_moa.kernels.paged import slot_mapping as paged_slots
+from vllm_moa.kernels.paged import gather_layer_rows
 from vllm_moa.kinds.moa import MoAConfig
 from vllm_moa.kinds.moa.model import LayerSelfAttention
 from vllm_moa.packed_linear import check_drafter_weights, frozen_linear, linear, weight_format
@@ -103,7 +103,7 @@ class MoAMLP(nn.Module):
 
     def __init__(self, width: int, intermediate: int, prefix: str) -> None:
         super().__init__()
-        if intermediate % tensor_parallel.tp_size() == 0 and tensor_parallel.tp_options()[0] == "sharded":
+        if intermediate % tp_layout.tp_size() == 0 and tp_layout.tp_options()[0] == "sharded":
             self.gate_up_proj = MergedColumnParallelLinear(width, [intermediate] * 2, bias=False,
                                                            prefix=f"{prefix}.gate_up_proj")
             self.down_proj = RowParallelLinear(intermediate, width, bias=False, prefix=f"{prefix}.down_proj")
@@ -119,16 +119,26 @@ class MoAMLP(nn.Module):
         return out
 
 
-class MoASelfAttention(nn.Module):
+class _BlockOutput(nn.Module):
+    """The second half of SA and CA: o_proj of the attention output, the residual, the MLP."""
+
+    def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
+        """hidden [T, E], attended [T, H * d] -> the block's output [T, E]"""
+        out, _ = self.o_proj(attended)
+        hidden = hidden + out
+        return hidden + self.mlp(self.post_norm(hidden))
+
+
+class MoASelfAttention(_BlockOutput):
     """SA: a pre-norm decoder block over the token embeddings, causal, vLLM-paged KV."""
 
     def __init__(self, config: MoAConfig, vllm_config: VllmConfig, attention: AttentionFactory, prefix: str) -> None:
         super().__init__()
         width = config.target_signature.hidden_size
         heads, kv_heads, d = config.sa_num_heads, config.sa_num_kv_heads, config.sa_head_dim
-        tp = tensor_parallel.tp_size()  # heads of this rank (QKVParallelLinear's split)
-        self.num_heads = tensor_parallel.local_heads(heads, tp, "the drafter's SA")
-        self.num_kv_heads, self.head_dim = tensor_parallel.local_kv_heads(kv_heads, tp), d
+        tp = tp_layout.tp_size()  # heads of this rank (QKVParallelLinear's split)
+        self.num_heads = tp_layout.local_heads(heads, tp, "the drafter's SA")
+        self.num_kv_heads, self.head_dim = tp_layout.local_kv_heads(kv_heads, tp), d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.input_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.qkv_proj = QKVParallelLinear(width, d, heads, kv_heads, bias=False, prefix=f"{prefix}.qkv_proj")
@@ -139,17 +149,30 @@ class MoASelfAttention(nn.Module):
         self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.mlp = MoAMLP(width, config.sa_intermediate_size, f"{prefix}.mlp")
 
-    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
-        """positions [T], hidden [T, E] -> [T, E]"""
+    # The block is written once, in three pieces: the paged forward below, the tree levels
+    # (tree_levels.py: a dense masked attention over gathered K/V) and the catch-up's K/V
+    # (keys_values) share them; only the attention between project and finish differs.
+    def project(self, positions: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """positions [T], hidden [T, E] -> q [T, H * d], k, v [T, H_kv * d] (q and k rotated)"""
         qkv, _ = self.qkv_proj(self.input_norm(hidden))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        out, _ = self.o_proj(self.attn(q, k, v))
-        hidden = hidden + out
-        return hidden + self.mlp(self.post_norm(hidden))
+        return q, k, v
+
+    def keys_values(self, positions: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T], hidden [T, E] -> k, v [T, H_kv * d] (k rotated): what the forward caches."""
+        qkv, _ = self.qkv_proj(self.input_norm(hidden))
+        _, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        k, _ = self.rotary_emb(positions, k, None)  # RoPE on k alone
+        return k, v
+
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        """positions [T], hidden [T, E] -> [T, E]"""
+        q, k, v = self.project(positions, hidden)
+        return self.finish(hidden, self.attn(q, k, v))
 
 
-class MoACrossAttention(nn.Module):
+class MoACrossAttention(_BlockOutput):
     """CA: queries from SA's output; keys/values are the Ekv2E rows the tap wrote into this
     attention's paged cache (see the module docstring)."""
 
@@ -157,9 +180,9 @@ class MoACrossAttention(nn.Module):
         super().__init__()
         width = config.target_signature.hidden_size
         heads, kv_heads, d = config.ca_num_heads, config.ca_num_kv_heads, config.ca_head_dim
-        tp = tensor_parallel.tp_size()  # heads of this rank (the column-parallel projections' split)
-        self.num_heads = tensor_parallel.local_heads(heads, tp, "the drafter's CA")
-        self.num_kv_heads = tensor_parallel.local_heads(kv_heads, tp, "the drafter's CA KV")
+        tp = tp_layout.tp_size()  # heads of this rank (the column-parallel projections' split)
+        self.num_heads = tp_layout.local_heads(heads, tp, "the drafter's CA")
+        self.num_kv_heads = tp_layout.local_heads(kv_heads, tp, "the drafter's CA KV")
         self.head_dim, self.kv_size = d, self.num_kv_heads * d
         self.query_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.row_norm = RMSNorm(width, eps=config.rms_norm_eps)
@@ -179,16 +202,18 @@ class MoACrossAttention(nn.Module):
         k, _ = self.rotary_emb(positions, k, None)  # RoPE on k alone, at the rows' own positions
         return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
-        """positions [T], hidden [T, E] (SA output) -> [T, E]"""
+    def queries(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        """positions [T], hidden [T, E] (SA output) -> q [T, H * d] (rotated)"""
         q, _ = self.q_proj(self.query_norm(hidden))
         q, _ = self.rotary_emb(positions, q, None)
+        return q
+
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        """positions [T], hidden [T, E] (SA output) -> [T, E]"""
         # vLLM's attention op takes k/v tensors; CA has no slot mapping in the forward context,
         # so nothing is written and the backend reads K/V from the cache only.
         unused = hidden.new_zeros(hidden.shape[0], self.kv_size)
-        out, _ = self.o_proj(self.attn(q, unused, unused))
-        hidden = hidden + out
-        return hidden + self.mlp(self.post_norm(hidden))
+        return self.finish(hidden, self.attn(self.queries(positions, hidden), unused, unused))
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": {0: "b"}, "positions": {0: "b"}, "inputs_embeds": {0: "b"}})
@@ -262,7 +287,7 @@ class MoADraftModel(nn.Module):
             self.draft_vocab = None
         self._draft_vocab_rows: tuple[tuple[int, int, int], nn.Linear] | None = None  # (weights' key, [N, E] head)
         self.tap_traffic = tensor_parallel.TapTraffic()  # the tap's all-gathers (tensor parallelism)
-        self.tap_fp8 = tensor_parallel.tp_options()[1] == "fp8"  # VLLM_MOA_TP_TAP_DTYPE, read once
+        self.tap_fp8 = tp_layout.tp_options()[1] == "fp8"  # VLLM_MOA_TP_TAP_DTYPE, read once
 
     # -- the draft loop ---------------------------------------------------------------------
     def embed_input_ids(self, input_ids: Tensor, **_: Any) -> Tensor:
@@ -288,75 +313,13 @@ class MoADraftModel(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.target_signature.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab, logits)
 
-    # -- draft trees (MoAProposer's tree levels, outside vLLM's draft loop) --------------------
-    @torch.inference_mode()
-    def tree_context(self, layout: Callable, block_table: Tensor, root_positions: list[int]) -> TreeContext:
-        """Per request of the batch: SA's cached K/V at positions 0..root (the verified tokens
-        and the root the first pass just ran) and CA's rows 0..root-1 (the verified tokens), read
-        from the paged caches once per step. block_table [B, max_blocks]: the drafter's layers'
-        kernel block table."""
-        sa_cache, ca_cache = self.model.sa.attn.kv_cache, self.model.ca.attn.kv_cache
-        block_size = split_kv_cache(sa_cache, layout)[0].shape[1]
-        context = TreeContext()
-        for b, root in enumerate(root_positions):
-            positions = torch.arange(root + 1, device=block_table.device)
-            slots = paged_slots(block_table[b], positions, block_size)  # [root + 1]
-            context.sa.append(gather_slots(sa_cache, slots, layout))
-            context.ca.append(gather_slots(ca_cache, slots[:root], layout))
-            context.fed.append(None)
-        return context
-
-    @torch.inference_mode()
-    def tree_level(self, context: TreeContext, input_ids: Tensor, positions: Tensor,
-                   levels: list[tuple[int, slice, Tensor]]) -> Tensor:
-        """One tree level of several requests: input_ids, positions [T] -> logits [T, V].
-
-        levels: (request b, its rows of the T, visible [n, F + n]) with decoding/tree.py's meaning:
-        which of the request's fed nodes (F so far, then these n) each row sees; every row also
-        sees SA's cached prefix. Fed slot 0 is the root, which sits in that prefix already: its
-        entry is a masked placeholder. The rows' SA K/V are appended to context.fed[b]."""
-        sa, ca = self.model.sa, self.model.ca
-        hidden = self.model.embed_tokens(input_ids)  # [T, E]
-        qkv, _ = sa.qkv_proj(sa.input_norm(hidden))
-        q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
-        q, k = sa.rotary_emb(positions, q, k)
-        heads, kv_heads, d = sa.num_heads, sa.num_kv_heads, sa.head_dim  # this rank's
-        q, k, v = q.view(-1, heads, d), k.view(-1, kv_heads, d), v.view(-1, kv_heads, d)
-        attended = torch.empty_like(q)  # [T, H, d]
-        for b, rows, visible in levels:
-            fed = context.fed[b]
-            if fed is None:  # placeholder for the root (fed slot 0)
-                fed = (k.new_zeros(1, kv_heads, d), v.new_zeros(1, kv_heads, d))
-            fed = (torch.cat([fed[0], k[rows]]), torch.cat([fed[1], v[rows]]))
-            context.fed[b] = fed
-            prefix_k, prefix_v = context.sa[b]
-            mask = torch.cat([visible.new_ones(visible.shape[0], prefix_k.shape[0]), visible], dim=1)
-            mask[:, prefix_k.shape[0]] = False  # the root's placeholder: the root is in the prefix
-            attended[rows] = _attention(q[rows], torch.cat([prefix_k, fed[0]]), torch.cat([prefix_v, fed[1]]), mask)
-        out, _ = sa.o_proj(attended.view(attended.shape[0], -1))
-        hidden = hidden + out
-        hidden = hidden + sa.mlp(sa.post_norm(hidden))
-        cq, _ = ca.q_proj(ca.query_norm(hidden))
-        cq, _ = ca.rotary_emb(positions, cq, None)
-        cq = cq.view(-1, ca.num_heads, ca.head_dim)
-        crossed = torch.empty_like(cq)
-        for b, rows, _ in levels:
-            row_k, row_v = context.ca[b]
-            crossed[rows] = _attention(cq[rows], row_k, row_v, None)
-        out, _ = ca.o_proj(crossed.view(crossed.shape[0], -1))
-        hidden = hidden + out
-        hidden = hidden + ca.mlp(ca.post_norm(hidden))
-        return self.compute_logits(self.model.out_norm(hidden))
-
-    # -- catching up after steps without drafts (integration/catch_up.py) ----------------------
+    # -- catching up after steps without drafts (integration/moa/catch_up.py) ----------------------
     @torch.inference_mode()
     def write_sa_keys_values(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
         """SA's keys/values of tokens [M] at positions [M], written at slots [M] of SA's paged
         cache: what the first pass writes for them (they depend on the token and its position only)."""
         sa = self.model.sa
-        qkv, _ = sa.qkv_proj(sa.input_norm(self.model.embed_tokens(token_ids)))
-        _, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
-        k, _ = sa.rotary_emb(positions, k, None)  # RoPE on k alone, as CA's rows
+        k, v = sa.keys_values(positions, self.model.embed_tokens(token_ids))
         shape = (-1, sa.num_kv_heads, sa.head_dim)
         sa.attn.impl.do_kv_cache_update(sa.attn, k.view(shape), v.view(shape), sa.attn.kv_cache, slots)
 
@@ -378,7 +341,7 @@ class MoADraftModel(nn.Module):
                           tap_traffic shows that the ranks stay in step)
         """
         caches = self.lsa.select(target_kv_caches)
-        if tensor_parallel.tp_size() == 1:
+        if tp_layout.tp_size() == 1:
             rows = lsa_attention(self.lsa, caches, read_slots, layout=layout)  # [M, E]
         else:  # this rank holds some KV heads: gather the verified tokens' rows, LSA replicated
             step_tokens = read_slots.shape[0]
@@ -426,26 +389,6 @@ class MoADraftModel(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target_name)
         return loaded
-
-
-class TreeContext:
-    """A step's tree drafting state, per request b: SA's cached prefix K/V, CA's row K/V, and the
-    SA K/V of the tree nodes fed so far (None before the first level); each [n, H_kv, d]."""
-
-    def __init__(self) -> None:
-        self.sa: list[tuple[Tensor, Tensor]] = []
-        self.ca: list[tuple[Tensor, Tensor]] = []
-        self.fed: list[tuple[Tensor, Tensor] | None] = []
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """q [n, H, d], k/v [m, H_kv, d], mask [n, m] bool or None -> [n, H, d] (scale d^-1/2)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                                         attn_mask=None if mask is None else mask[None])
-    return out.transpose(0, 1)
 
 
 def _checkpoint_to_param(name: str) -> str:

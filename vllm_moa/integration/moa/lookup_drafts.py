@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,7 +81,7 @@ def request_histories(verified: Sequence[Sequence[int]], scheduled_drafts: Seque
     verified[b]: the tokens vLLM held before this step (prompt + outputs; ends with the token this
     step verified from); scheduled_drafts[b]: the draft tokens it scheduled for row b this step;
     step_tokens / query_start: the step's input ids [N] and row offsets [B + 1] (after a tree's
-    accepted path was moved to the front, integration/tree.py); rejected[b]: the drafts rejected
+    accepted path was moved to the front, integration/moa/tree_verification.py); rejected[b]: the drafts rejected
     (None: vLLM already trimmed them from the rows). The accepted drafts follow the verified tokens."""
     histories = []
     for b, tokens in enumerate(verified):
@@ -97,3 +98,47 @@ def one_hot_rows(probs: Tensor, rows: Sequence[int], chains: Tensor) -> None:
     for b in rows:
         probs[b].zero_()
         probs[b].scatter_(-1, chains[b].unsqueeze(-1).to(device=probs.device, dtype=torch.long), 1.0)
+
+
+class LookupDrafting:
+    """One proposer's lookup drafts: each step's plan and the chains that replace the model's.
+    `rounds`: request-steps drafted by each source (model / retrieval), for the counters."""
+
+    def __init__(self, options: Retrieval, tree_depth: int | None) -> None:
+        self.options = options
+        self.tree_depth = tree_depth  # None: chains (a lookup drafts alone from K tokens on)
+        self.rounds = {"model": 0, "retrieval": 0}
+
+    def plan(self, view: Any, step_tokens: Tensor, next_token_ids: Tensor, query_start_loc: list[int],
+             num_rejected: Tensor | None, count: int) -> LookupPlan:
+        """Which requests draft from lookup this step. view: RunnerView (verified tokens and
+        scheduled drafts per row); step_tokens [N]; next_token_ids [B]; count: K or the tree's budget."""
+        batch = next_token_ids.shape[0]
+        histories = request_histories(
+            [view.verified_token_ids(b) for b in range(batch)], [view.scheduled_draft_count(b) for b in range(batch)],
+            step_tokens.tolist(), query_start_loc[: batch + 1], None if num_rejected is None else num_rejected.tolist())
+        alone_at = count if self.tree_depth is None else self.tree_depth  # a tree's paths may be as deep as its budget
+        plan = plan_lookups(self.options, histories, next_token_ids.tolist(), count, alone_at)
+        drafted = len(plan.rows)
+        self.rounds["retrieval"] += drafted
+        self.rounds["model"] += batch - drafted
+        return plan
+
+    @staticmethod
+    def chains(drafts: Tensor, plan: LookupPlan, count: int, draft_probs: Tensor | None,
+               device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """The model's chains [B, K] with the lookup rows' chains in their place, and the draft
+        probabilities [B, K, V] for vLLM's rejection sampler (lookup rows: point masses; None when
+        every row is a lookup)."""
+        if not plan.rows:
+            return drafts, draft_probs
+        chains = torch.tensor([lookup_chain(found, count) if found is not None else [0] * count
+                               for found in plan.found], dtype=torch.long)  # [B, K]
+        if plan.every_row:
+            return chains.to(device), None
+        drafts = drafts.clone()
+        rows = plan.rows
+        drafts[rows] = chains[rows].to(drafts.device, drafts.dtype)
+        if draft_probs is not None:  # q of the model's sampled chains: lookup rows are point masses
+            one_hot_rows(draft_probs, rows, chains)
+        return drafts, draft_probs
