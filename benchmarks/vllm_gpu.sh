@@ -76,7 +76,7 @@ prepare)
 code-branch)
     here=$(git rev-parse --abbrev-ref HEAD)
     git branch -f gpu-code HEAD && git checkout -q gpu-code
-    git rm -r -q --cached vllm_moa/assets vllm_moa/recipes/data benchmarks/results
+    git rm -r -q vllm_moa/assets vllm_moa/recipes/data benchmarks/results  # from the tree too: untracked files travel
     git commit -q -m "gpu-code: $(git rev-parse --short "$here") without assets, datasets and results (device transfer calls)"
     git checkout -q "$here"
     git ls-tree -r -l gpu-code | awk '{s += $4} END {printf "gpu-code tree: %.1f MB\n", s / 1e6}'
