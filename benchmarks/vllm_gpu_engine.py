@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--trees", type=_tree, nargs="*", default=[(5, 4, 16)], metavar="D,K,B")
     parser.add_argument("--retrieval", type=json.loads, default={}, metavar="JSON", help="moa_retrieval ('null': none)")
     parser.add_argument("--per-batch-size", type=json.loads, default=None, metavar="JSON")
+    parser.add_argument("--methods", nargs="*", default=None, metavar="NAME",
+                        help="keep only these of the methods built from the options (e.g. none 'moa K=3')")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--engine-timeout", type=float, default=600)
     parser.add_argument("--rehearse", action="store_true", help="vLLM's CPU engine, demo target, small sizes")
@@ -154,6 +156,11 @@ def main() -> None:
     texts = load_prompts(target, None, args.num_prompts, args.prompt_tokens, heldout)
     prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
     configs = methods(drafter, args.ks, args.ngram_k, None, 0, args.trees, args.retrieval, args.per_batch_size)
+    if args.methods is not None:
+        unknown = sorted(set(args.methods) - set(configs))
+        if unknown or "none" not in args.methods:
+            parser.error(f"--methods must name 'none' and methods of {sorted(configs)}; unknown: {unknown}")
+        configs = {name: config for name, config in configs.items() if name in args.methods}
     rows = measure(args.settings, configs, target, prompts, args)
     gpu = (device["gpu"] or "cpu").lower().replace("nvidia ", "").split()[0]
     out = args.out or ROOT / "benchmarks" / "results" / f"vllm_gpu_{gpu}.json"
