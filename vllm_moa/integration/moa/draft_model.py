@@ -120,7 +120,18 @@ class MoAMLP(nn.Module):
 
 
 class _BlockOutput(nn.Module):
-    """The second half of SA and CA: o_proj of the attention output, the residual, the MLP."""
+    """What SA and CA share: RoPE, vLLM's attention over this block's paged cache, and the second
+    half (o_proj of the attention output, the residual, the MLP)."""
+
+    def _build_output(self, config: MoAConfig, vllm_config: VllmConfig, attention: AttentionFactory, prefix: str,
+                      heads: int, head_dim: int, intermediate: int) -> None:
+        width = config.target_signature.hidden_size
+        self.o_proj = RowParallelLinear(heads * head_dim, width, bias=False, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = _rope(head_dim, config.rope_theta, vllm_config.model_config.max_model_len)
+        self.attn = attention(self.num_heads, head_dim, head_dim ** -0.5, num_kv_heads=self.num_kv_heads,
+                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+        self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
+        self.mlp = MoAMLP(width, intermediate, f"{prefix}.mlp")
 
     def finish(self, hidden: Tensor, attended: Tensor) -> Tensor:
         """hidden [T, E], attended [T, H * d] -> the block's output [T, E]"""
@@ -142,12 +153,7 @@ class MoASelfAttention(_BlockOutput):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.input_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.qkv_proj = QKVParallelLinear(width, d, heads, kv_heads, bias=False, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
-        self.attn = attention(self.num_heads, d, d ** -0.5, num_kv_heads=self.num_kv_heads,
-                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
-        self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
-        self.mlp = MoAMLP(width, config.sa_intermediate_size, f"{prefix}.mlp")
+        self._build_output(config, vllm_config, attention, prefix, heads, d, config.sa_intermediate_size)
 
     # The block is written once, in three pieces: the paged forward below, the tree levels
     # (tree_levels.py: a dense masked attention over gathered K/V) and the catch-up's K/V
@@ -188,12 +194,7 @@ class MoACrossAttention(_BlockOutput):
         self.row_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.q_proj = ColumnParallelLinear(width, heads * d, bias=False, prefix=f"{prefix}.q_proj")
         self.kv_proj = MergedColumnParallelLinear(width, [kv_heads * d] * 2, bias=False, prefix=f"{prefix}.kv_proj")
-        self.o_proj = RowParallelLinear(heads * d, width, bias=False, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = _rope(d, config.rope_theta, vllm_config.model_config.max_model_len)
-        self.attn = attention(self.num_heads, d, d ** -0.5, num_kv_heads=self.num_kv_heads,
-                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
-        self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
-        self.mlp = MoAMLP(width, config.ca_intermediate_size, f"{prefix}.mlp")
+        self._build_output(config, vllm_config, attention, prefix, heads, d, config.ca_intermediate_size)
 
     def row_keys_values(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Ekv2E rows [M, E] of tokens at positions [M] -> k, v [M, H_kv, d] (k rotated)."""
