@@ -1,4 +1,4 @@
-"""The worker side of the vLLM client-server backend (serving_backend.py): what the target saw at
+"""The worker side of the vLLM client-server backend (vllm_backend.py): what the target saw at
 the last positions of a flagged request's prompt, taken inside vLLM's worker after the forward.
 
 A verification round is one vLLM request whose prompt is the session's verified tokens, the
