@@ -173,7 +173,7 @@ class MoAProposer(DraftModelProposer):
             # tree nodes are deterministic top-k children (point masses): no draft distribution for
             # vLLM's rejection sampler, which verifies the steps that fall back to chains
             self._last_draft_probs = None
-            return self.grow_trees(next_token_ids, num_speculative_tokens, lookups, tree_spec)
+            return self.grow_trees(next_token_ids, num_speculative_tokens, lookups, tree_spec, view.req_ids)
         finally:
             self._num_rejected = None
             self._root_hidden = None
@@ -197,7 +197,8 @@ class MoAProposer(DraftModelProposer):
         return [layer.kv_cache for layer in self._target_layers]
 
     # -- draft trees (tree_drafts.py) ----------------------------------------------------------
-    def grow_trees(self, next_token_ids: torch.Tensor, count: int, lookups: Any, spec: Any) -> torch.Tensor:
+    def grow_trees(self, next_token_ids: torch.Tensor, count: int, lookups: Any, spec: Any,
+                   req_ids: list[str | None]) -> torch.Tensor:
         """The step's trees from the first pass -> their first `count` nodes in preorder [B, count]."""
         model, context, root_positions = self.moa_model(), None, []
         if lookups is None or not lookups.every_row:
@@ -205,7 +206,7 @@ class MoAProposer(DraftModelProposer):
             sa_metadata = self._first_pass_metadata[model.model.sa.attn.layer_name]
             context = tree_levels.tree_context(model, self._kv_layout, sa_metadata.block_table, root_positions)
         return self.trees.grow(model, context, self._root_hidden, root_positions, next_token_ids, count, lookups,
-                               spec, RunnerView(self._runner).req_ids)
+                               spec, req_ids)
 
     def plan_tree_step(self, runner: Any, scheduler_output: Any) -> None:
         """RunnerPrepareInputsPatch's hook: this step's trees."""
