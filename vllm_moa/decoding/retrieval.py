@@ -19,6 +19,7 @@ sampled from the drafter's distribution (temperature > 0) carries that distribut
 rejection sampling, so it is left as drafted (no merge; the retrieval-alone rule still applies).
 
     Retrieval            the options, declared once
+    lookup_options(...)  the entry points' one `lookup` option (on by default) -> Retrieval | None
     continuations(...)   the lookup
     merge_branches(...)  continuations into a tree
     HybridSession        a model drafter's session + lookup, as one DraftSession
@@ -58,6 +59,23 @@ class Retrieval(BaseModel):
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"retrieval min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
         return self
+
+
+def lookup_options(lookup: bool | dict | Retrieval | None, model_free: bool) -> Retrieval | None:
+    """The one lookup option of every runtime entry point (Speculator, `vllm-moa generate / demo`,
+    the client) -> the Retrieval options, or None (off). True (the default there): Retrieval()
+    for model drafters, off for model-free ones (n-gram lookup is lookup already; plain decoding
+    drafts nothing); a dict: Retrieval(**dict); False / None: off. Asking a model-free drafter
+    for it explicitly (a dict or Retrieval) is refused."""
+    if lookup is None or lookup is False:
+        return None
+    if lookup is True:
+        return None if model_free else Retrieval()
+    options = lookup if isinstance(lookup, Retrieval) else Retrieval(**lookup)
+    if model_free:
+        raise ValueError("lookup merges into a model drafter's drafts; this drafter has no model (n-gram lookup "
+                         "drafts by lookup alone, 'none' drafts nothing)")
+    return options
 
 
 def continuations(history: Sequence[int], pending: int, max_ngram: int, min_ngram: int, length: int,

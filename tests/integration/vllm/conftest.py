@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from vllm_env import DEMO, engine_config, has_vllm, select_cpu_platform  # noqa: E402
+from vllm_env import DEMO, MOA_ALONE, engine_config, has_vllm, select_cpu_platform  # noqa: E402
 
 if has_vllm():
     select_cpu_platform()
@@ -32,7 +32,7 @@ def demo_drafter():
 
 @pytest.fixture(scope="session")
 def moa_config(demo_target, demo_drafter):
-    return engine_config(demo_target, {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 4})
+    return engine_config(demo_target, {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 4, **MOA_ALONE})
 
 
 @pytest.fixture(scope="session")

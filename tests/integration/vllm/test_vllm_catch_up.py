@@ -52,7 +52,7 @@ def prompts() -> list[list[int]]:
 
 @cache
 def run(catch_up: bool):
-    config = {"method": "moa", "model": DRAFTER, "num_speculative_tokens": 3,
+    config = {"method": "moa", "model": DRAFTER, "num_speculative_tokens": 3, "moa_retrieval": False,
               "num_speculative_tokens_per_batch_size": SCHEDULE}
     sampling = [{"max_tokens": 64 if i in LONG else 6} for i in range(8)]
     return run_engine(EngineRun(target=smollm2()[0], speculative_config=config, prompts=prompts(), max_tokens=6,

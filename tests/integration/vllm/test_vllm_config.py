@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -91,7 +92,6 @@ def test_unknown_key_in_speculative_config(demo_target):
 @pytest.mark.parametrize("spec,words", [
     (moa(DEMO / "eagle"), ["model_type is 'moa_eagle_drafter'", "needs a MoA drafter"]),
     (moa("/nonexistent/moa"), ["not a local directory"]),
-    ({"method": "moa", "num_speculative_tokens": 4}, ["needs 'model'"]),
     (moa(draft_tensor_parallel_size=2), ["draft_tensor_parallel_size=2"]),
 ])
 def test_refused_with_a_message(demo_target, spec, words):
@@ -100,8 +100,6 @@ def test_refused_with_a_message(demo_target, spec, words):
 
 def test_vllms_own_checks_still_run(demo_target):
     refused(demo_target, moa(max_model_len=4096), "cannot be larger than")  # vLLM's length check
-    no_k = {key: value for key, value in moa().items() if key != "num_speculative_tokens"}
-    refused(demo_target, no_k, "`num_speculative_tokens` was not provided")
     refused(demo_target, moa(num_speculative_tokens=0), "greater than 0")
     spec = engine_config(demo_target, moa(max_model_len=512)).speculative_config
     assert spec.draft_model_config.max_model_len == 512  # and applies its settings
@@ -111,3 +109,28 @@ def test_directory_names_vllm_would_reinterpret(tmp_path, demo_target):
     drafter = tmp_path / "moa-eagle3-distilled"
     shutil.copytree(DEMO / "moa-tli0", drafter)
     refused(demo_target, moa(drafter), "contains 'eagle3'")
+
+
+def test_moa_alone_takes_the_shipped_drafter_and_the_measured_defaults(demo_target):
+    """{"method": "moa"} and nothing else: the drafter shipped for this target (signature and weight
+    fingerprint), K = 4, lookup on, K by measured speed (moa_defaults.py)."""
+    from vllm_moa.integration.shell.moa_defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    spec = engine_config(demo_target, {"method": "moa"}).speculative_config
+    assert Path(spec.model) == DEMO / "moa-tli0" and spec.draft_model_config.hf_config.tli == 0
+    assert spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS == 4
+    assert spec.moa_retrieval == {} and spec.moa_adaptive is True
+
+
+def test_moa_alone_for_a_target_nothing_was_shipped_for_says_how_to_train_one(tmp_path):
+    """The same shapes as the demo target but other weights: no shipped drafter matches the
+    fingerprint, and the refusal is one line naming the command that trains one."""
+    target = tmp_path / "other-weights"
+    shutil.copytree(DEMO / "target", target)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(target / "model.safetensors")
+    weights = {name: tensor + 0.01 for name, tensor in weights.items()}
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    refused(str(target), {"method": "moa"}, "no MoA drafter shipped with vllm-moa was trained for this target",
+            "vllm-moa train --target")

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
-from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
+from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026  # noqa: E402
 
 from vllm_moa.integration.moa.draft_model import MoADraftModel  # noqa: E402
 from vllm_moa.integration.moa.tap import row_seq_lens, slots_of, tap_write_slots  # noqa: E402
@@ -189,7 +189,7 @@ def check(got: list[torch.Tensor], want: dict[int, list[torch.Tensor]]) -> float
 def build(target_dir: str, drafter_dir: str) -> Harness:
     """vLLM config through EngineArgs (fp32; no compilation, PyTorch-native custom ops), the model
     built with the paged-attention twin and loaded by vLLM's loader (needs `vllm_distributed`)."""
-    cfg = engine_config(target_dir, {"method": "moa", "model": drafter_dir, "num_speculative_tokens": K},
+    cfg = engine_config(target_dir, {"method": "moa", "model": drafter_dir, "num_speculative_tokens": K, **MOA_ALONE},
                         dtype="float32", compilation_config={"mode": 0, "custom_ops": ["none"]})
     draft_config = cfg.speculative_config.draft_model_config
     context = PagedContext()

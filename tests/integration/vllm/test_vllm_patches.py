@@ -216,7 +216,8 @@ def test_moa_retrieval_is_a_declared_field_checked_for_moa_only(demo_target, dem
     chain = {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 3}
     options = {"max_ngram": 3, "alone_at": 2}
     assert engine_config(demo_target, {**chain, "moa_retrieval": options}).speculative_config.moa_retrieval == options
-    assert engine_config(demo_target, chain).speculative_config.moa_retrieval is None
+    assert engine_config(demo_target, chain).speculative_config.moa_retrieval == {}  # left out: on (moa_defaults)
+    assert engine_config(demo_target, {**chain, "moa_retrieval": False}).speculative_config.moa_retrieval is False
     with pytest.raises(Exception, match=r"unknown key\(s\) \['depth'\] in moa_retrieval"):
         engine_config(demo_target, {**chain, "moa_retrieval": {"depth": 3}})
     with pytest.raises(Exception, match="applies to speculative method 'moa' only"):
@@ -252,3 +253,31 @@ def test_cpu_sampler_fix_is_for_moa_engines_unless_asked(setting, after_register
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"after_register": [after_register] * 2, "moa_engine": moa_engine}
+
+
+def test_moa_adaptive_is_a_declared_field_on_for_chains_by_default(demo_target, demo_drafter):
+    """speculative_config.moa_adaptive: left out, a chain's K follows measured speed (vLLM's
+    schedule field marks the engine's K as changing per step); false, or a schedule of the
+    user's, or a tree: K as configured; a value that is not a boolean, or true beside a schedule
+    or a tree, is refused naming it; other methods refuse the key."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    from vllm_moa.integration.shell.moa_defaults import requested_adaptive
+
+    assert "moa_adaptive" in SpeculativeConfig.__dataclass_fields__
+    chain = {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 3}
+    spec = engine_config(demo_target, chain).speculative_config
+    assert spec.moa_adaptive is True and requested_adaptive(spec)
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, 3)]
+    spec = engine_config(demo_target, {**chain, "moa_adaptive": False}).speculative_config
+    assert spec.moa_adaptive is False and spec.num_speculative_tokens_per_batch_size is None
+    schedule = [(1, 4, 3), (5, 256, 0)]
+    spec = engine_config(demo_target, {**chain, "num_speculative_tokens_per_batch_size": schedule}).speculative_config
+    assert spec.moa_adaptive is False and not requested_adaptive(spec)
+    with pytest.raises(Exception, match="moa_adaptive must be true or false"):
+        engine_config(demo_target, {**chain, "moa_adaptive": 1})
+    with pytest.raises(Exception, match="drop one of them"):
+        engine_config(demo_target, {**chain, "moa_adaptive": True, "num_speculative_tokens_per_batch_size": schedule})
+    with pytest.raises(Exception, match="applies to speculative method 'moa' only"):
+        engine_config(demo_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                    "moa_adaptive": True})

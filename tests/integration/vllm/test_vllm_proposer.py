@@ -23,7 +23,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
-from vllm_env import engine_config, outside_an_engine_only_on_026  # noqa: E402
+from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026  # noqa: E402
 
 from vllm_moa.integration.moa.proposer import MoAProposer  # noqa: E402
 from vllm_moa.integration.shell.draft_config import UnsupportedMoASetup  # noqa: E402
@@ -62,7 +62,8 @@ def cpu_proposer(monkeypatch, vllm_distributed):
 
     def make(target_dir: str, drafter_dir: str, layers: int, heads: int, kv_heads: int, head_dim: int,
              vocab: int, width: int):
-        config = engine_config(target_dir, {"method": "moa", "model": drafter_dir, "num_speculative_tokens": 3},
+        config = engine_config(target_dir, {"method": "moa", "model": drafter_dir, "num_speculative_tokens": 3,
+                                            **MOA_ALONE},
                                dtype="float32", compilation_config={"mode": 0, "custom_ops": ["none"]})
         with set_current_vllm_config(config):
             target = TargetSkeleton(config, layers, heads, kv_heads, head_dim, vocab, width)

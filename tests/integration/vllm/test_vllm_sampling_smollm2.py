@@ -22,7 +22,7 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 import sampling_stats  # noqa: E402
 import torch  # noqa: E402
 from sampling_stats import chat_prompt, mean_nll, pair_p, smollm2  # noqa: E402
-from vllm_env import ENGINE_ENV, REPO, engine_available  # noqa: E402
+from vllm_env import ENGINE_ENV, MOA_ALONE, REPO, engine_available  # noqa: E402
 
 from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
@@ -59,7 +59,7 @@ def chain_run():
                 + [{}] * GREEDY)
     temperatures = [TEMPERATURE] * (len(sampling) - GREEDY) + [0.0] * GREEDY
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
-                                                             "num_speculative_tokens": 3},
+                                                             "num_speculative_tokens": 3, **MOA_ALONE},
                     prompts=[prompt()] * len(sampling), max_tokens=NEW_TOKENS, temperature=temperatures, seed=0,
                     sampling=sampling, engine=ENGINE)
     return run_engine(run, timeout=1500, env=ENGINE_ENV)
@@ -69,7 +69,7 @@ def chain_run():
 def tree_run():
     """One engine, MoA tree (depth 5, top-k 4, 16 nodes); every request asks for 2 logprobs."""
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
-                                                             "num_speculative_tokens": 16,
+                                                             "num_speculative_tokens": 16, "moa_retrieval": False,
                                                              "moa_tree": {"depth": 5, "top_k": 4,
                                                                                           "chain_if_faster": False}},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
@@ -83,7 +83,7 @@ def top_k_only_run():
     takes vLLM's CPU top-k-only path, which killed the engine on every step without drafts (the
     prefill, for one) before CPUTopKOnlyPatch."""
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
-                                                             "num_speculative_tokens": 3},
+                                                             "num_speculative_tokens": 3, **MOA_ALONE},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
                     sampling=[{"top_k": TOP_K}] * PLAIN, engine=ENGINE)
     return run_engine(run, timeout=1500, env=ENGINE_ENV)

@@ -20,6 +20,7 @@ from vllm_env import (  # noqa: E402
     DEMO,
     DRAFTER_TLI1,
     ENGINE_ENV,
+    MOA_ALONE,
     REPO,
     engine,
     engine_available,
@@ -121,7 +122,7 @@ SMOLLM2_PROMPTS = ("Write a Python function that checks whether a string is a pa
 @cache
 def smollm2_run(speculation: str | None, tp: int):
     config = None if speculation is None else {"method": "moa", "model": str(SMOLLM2_DRAFTER),
-                                               "num_speculative_tokens": 3}
+                                               "num_speculative_tokens": 3, **MOA_ALONE}
     if speculation == "tree":
         budget, (depth, top_k) = SMOLLM2_TREE
         config.update(num_speculative_tokens=budget, moa_tree={"depth": depth, "top_k": top_k,

@@ -91,12 +91,18 @@ def first_difference(got, want) -> int:
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
+# the plugin's defaults (lookup, K by measured speed: moa_defaults.py) turned off: MoA's drafts
+# alone, K at every step, as the tests of those parts need
+MOA_ALONE = {"moa_retrieval": False, "moa_adaptive": False}
+
+
 def moa(k: int, drafter: str = DRAFTER, tree: tuple | None = None,
         retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
     """speculative_config of MoA: a chain of k, or (tree = (depth, top_k[, chain_if_faster])) a
     tree of k nodes, drafted as a tree at every step unless chain_if_faster is given true (the
-    tests check trees); retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults)."""
-    config = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
+    tests check trees); retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults;
+    None: no lookup). K is drafted at every step (moa_adaptive false)."""
+    config = {"method": "moa", "model": drafter, "num_speculative_tokens": k, **MOA_ALONE}
     if tree is not None:
         config["moa_tree"] = {"depth": tree[0], "top_k": tree[1], "chain_if_faster": tree[2] if len(tree) > 2 else False}
     if retrieval is not None:

@@ -101,6 +101,8 @@ class EngineResult(BaseModel):
     vllm_version: str = ""
     orphans: bool = False  # processes of the child's group outlived it (set by run_engine)
     tap_traffic: list[dict[str, Any]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
+    # the speculative config as the engine resolved it (for "moa": the options the plugin filled in)
+    speculative_config: dict[str, Any] = Field(default_factory=dict)
 
 
 class EngineRunFailed(RuntimeError):
@@ -144,6 +146,7 @@ def execute(run: EngineRun) -> EngineResult:
     start = time.perf_counter()
     llm = LLM(model=run.target, speculative_config=run.speculative_config, **kwargs)
     startup = time.perf_counter() - start
+    resolved = resolved_speculative_config(llm.llm_engine.vllm_config.speculative_config)
     temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
     if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
         raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
@@ -183,7 +186,19 @@ def execute(run: EngineRun) -> EngineResult:
         passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
         prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
         preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
+        speculative_config=resolved,
     )
+
+
+RESOLVED_FIELDS = ("method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size", "moa_tree",
+                   "moa_retrieval", "moa_adaptive")
+
+
+def resolved_speculative_config(spec: Any) -> dict[str, Any]:
+    """The fields of a built SpeculativeConfig a result reports ({} without speculation)."""
+    if spec is None:
+        return {}
+    return {name: getattr(spec, name) for name in RESOLVED_FIELDS if getattr(spec, name, None) is not None}
 
 
 def sampled_logprobs(completion: Any) -> list[float] | None:

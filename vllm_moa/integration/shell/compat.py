@@ -165,6 +165,13 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),
     "speculative_moa_retrieval": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_retrieval",
                                                adds=True),
+    "speculative_moa_adaptive": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_adaptive",
+                                              adds=True),
+    # K by measured speed (adaptive_k.py): the scheduler's K table, replaced and fed each step
+    "scheduler_update_from_output": PatchedSymbol(
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "Scheduler.update_from_output",
+        "(self, scheduler_output, model_runner_output)",
+    ),
     "runner_prepare_inputs": PatchedSymbol(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs",
         "(self, scheduler_output, num_scheduled_tokens)", series=TREE_SERIES,

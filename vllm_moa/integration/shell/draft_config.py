@@ -231,14 +231,16 @@ RETRIEVAL_IN_VLLM = ("max_ngram", "min_ngram", "branches", "alone_at")  # extra_
 
 def retrieval_options(moa_retrieval: Any) -> Any:
     """speculative_config {"method": "moa", ..., "moa_retrieval": {"max_ngram": 4, ...}} -> the
-    decoding.retrieval.Retrieval options (validated there, declared once); None without the key;
-    {} takes every default. Raises UnsupportedMoASetup naming what does not fit."""
+    decoding.retrieval.Retrieval options (validated there, declared once); None for false (off);
+    {} takes every default (what moa_defaults puts where the key is left out). Raises UnsupportedMoASetup naming what does not fit."""
     from pydantic import ValidationError
 
     from vllm_moa.decoding.retrieval import Retrieval
 
-    if moa_retrieval is None:
+    if moa_retrieval is None or moa_retrieval is False:  # left out (before moa_defaults ran) or turned off
         return None
+    if moa_retrieval is True:
+        moa_retrieval = {}
     check_object_keys(RETRIEVAL_FIELD, moa_retrieval, RETRIEVAL_IN_VLLM, '{"max_ngram": 4, "alone_at": 3}',
                       "inside vLLM it takes")
     try:

@@ -1,9 +1,10 @@
-"""Every change the plugin makes to vLLM's internals: thirteen declared patches, one per symbol
+"""Every change the plugin makes to vLLM's internals: fifteen declared patches, one per symbol
 (the mechanism: patching.py). Declared here: the config and routing patches; tree_patches.py,
 cpu_sampler.py and the serve wing's verify_service.py declare the others, listed here too.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
-    SpeculativePostInitPatch  SpeculativeConfig.__post_init__   check the drafter against the target, then
+    SpeculativePostInitPatch  SpeculativeConfig.__post_init__   fill the options left out (moa_defaults.py),
+                                                                check the drafter against the target, then
                                                                 run vLLM's own draft-model set-up
     UsesDraftModelPatch       SpeculativeConfig.uses_draft_model  "moa" takes the draft-model road in the
                                                                 scheduler (lookahead slots) and the V1 runner
@@ -12,6 +13,10 @@ cpu_sampler.py and the serve wing's verify_service.py declare the others, listed
     V1RunnerPatch             VllmConfig._get_v2_model_runner_unsupported_features
                                                                 "moa" keeps the V1 model runner (0.32
                                                                 would pick V2 on GPUs)
+    AdaptiveFieldPatch        SpeculativeConfig.moa_adaptive    K per batch size by measured speed (default
+                                                                for chains: moa_defaults.py)
+    SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
+                                                                written (adaptive_k.py)
   draft trees (the method: integration/moa/tree_verification.py; the last three, tree_patches.py, are
   applied in the worker when a MoA drafter drafts trees, and do nothing for other requests or drafters):
     TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K[, "chain_if_faster": true]}
@@ -48,10 +53,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from vllm_moa import envs
-from vllm_moa.integration.shell import compat, cpu_sampler, tree_patches
+from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, tree_patches
 from vllm_moa.integration.shell.patching import PatchConflict, VllmPatch
 
 logger = logging.getLogger(__name__)
@@ -107,22 +112,25 @@ class SpeculativePostInitPatch(VllmPatch):
                 retrieval_options,
                 tree_spec,
             )
+            from vllm_moa.integration.shell.moa_defaults import ADAPTIVE_FIELD, apply_defaults
 
             moa_tree = getattr(self, TREE_FIELD, None)
             if self.method != compat.METHOD:
-                for field in (TREE_FIELD, RETRIEVAL_FIELD):
+                for field in (TREE_FIELD, RETRIEVAL_FIELD, ADAPTIVE_FIELD):
                     if getattr(self, field, None) is not None:
                         raise ValueError(f"{field} applies to speculative method '{compat.METHOD}' only "
                                          f"(method is {self.method!r})")
                 return original(self)
-            retrieval_options(getattr(self, RETRIEVAL_FIELD, None))
             from vllm_moa.integration.shell.draft_config import V2_RUNNER_ENV, check_moa_drafter, check_model_runner
+            from vllm_moa.integration.shell.signature import signature_from_hf_config
 
             target = self.target_model_config
             parallel = self.target_parallel_config
             if target is None or parallel is None:
                 raise ValueError("speculative method 'moa' needs the target's model and parallel configs "
                                  "(build the engine through EngineArgs, LLM or vllm serve)")
+            apply_defaults(self, signature_from_hf_config(target.hf_config, target.model))  # moa_defaults.py
+            retrieval_options(getattr(self, RETRIEVAL_FIELD, None))
             drafter = check_moa_drafter(
                 self.model, target.hf_config, target.model,
                 tensor_parallel_size=parallel.tensor_parallel_size,
@@ -131,8 +139,6 @@ class SpeculativePostInitPatch(VllmPatch):
             )
             check_model_runner(os.environ.get(V2_RUNNER_ENV))
             if moa_tree is not None:
-                if self.num_speculative_tokens is None:
-                    raise ValueError(f"{TREE_FIELD} needs num_speculative_tokens: the tree's node budget")
                 tree_spec(moa_tree, self.num_speculative_tokens, drafter.tli, compat.installed_vllm_version())
                 check_tree_setup(self, None)
             self.method = "draft_model"
@@ -217,6 +223,11 @@ class _OptionalFieldPatch(VllmPatch):
     """SpeculativeConfig gains one optional field (default None); vLLM's config is a pydantic
     dataclass that refuses unknown keys, so the field is declared on it and the validator rebuilt."""
 
+    # values stay what the user gave (no coercion: true is not 1, "3" is not 3); the plugin's
+    # own checks name any that does not fit (draft_config.tree_spec, retrieval_options,
+    # moa_defaults.resolve_adaptive)
+    annotation: ClassVar[Any] = Optional[dict[str, Any]]  # noqa: UP045 (a runtime type)
+
     @classmethod
     def _patch(cls, owner: Any, attr: str) -> None:
         import dataclasses
@@ -225,9 +236,7 @@ class _OptionalFieldPatch(VllmPatch):
 
         if attr in owner.__dataclass_fields__:
             raise PatchConflict(f"SpeculativeConfig already has a field {attr!r}")
-        # values stay what the user gave (no coercion: true is not 1, "3" is not 3); the plugin's
-        # own checks name any that does not fit (draft_config.tree_spec, retrieval_options)
-        annotation = Optional[dict[str, Any]]  # noqa: UP045 (a runtime type)
+        annotation = cls.annotation
         declared = dataclasses.field(default=None)
         declared.name, declared.type = attr, annotation
         declared._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
@@ -246,10 +255,19 @@ class TreeFieldPatch(_OptionalFieldPatch):
 
 class RetrievalFieldPatch(_OptionalFieldPatch):
     """SpeculativeConfig.moa_retrieval ({"max_ngram": 4, "min_ngram": 2, "branches": 2,
-    "alone_at": D}, default None: the model drafts every round; {}: the defaults): lookup drafts
-    beside the model's (integration/moa/lookup_drafts.py)."""
+    "alone_at": D}; left out or {}: the defaults (moa_defaults.py); false: the model drafts every
+    round alone): lookup drafts beside the model's (integration/moa/lookup_drafts.py)."""
 
     symbol = "speculative_moa_retrieval"
+    annotation = Any  # an object, or false
+
+
+class AdaptiveFieldPatch(_OptionalFieldPatch):
+    """SpeculativeConfig.moa_adaptive (true / false, default None: true for chains without a
+    schedule of the user's): K per batch size by measured speed (adaptive_k.py)."""
+
+    symbol = "speculative_moa_adaptive"
+    annotation = Any  # true or false, checked by moa_defaults.resolve_adaptive
 
 
 # "1": fix vLLM's CPU rejection sampler for every method; "0": for none (to measure the defect);
@@ -281,6 +299,8 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     V1RunnerPatch,
     TreeFieldPatch,
     RetrievalFieldPatch,
+    AdaptiveFieldPatch,
+    adaptive_k.SchedulerUpdatePatch,
 )
 
 

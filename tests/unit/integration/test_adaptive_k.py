@@ -1,0 +1,109 @@
+"""AdaptiveK, the scheduler's K table measured instead of written (integration/shell/adaptive_k.py),
+driven by steps shaped as vLLM's scheduler outputs, with a clock the test controls."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_moa.integration.shell.adaptive_k import AdaptiveK
+
+MAX_K = 3
+
+
+class Engine:
+    """Steps of `batch` decoding requests at the K the table gives, each taking `cost(batch, K)`
+    seconds and yielding `accepted(K)` + 1 tokens per request; the previous step's K is verified."""
+
+    def __init__(self, cost, accepted, **table) -> None:
+        self.now, self.cost, self.accepted = 0.0, cost, accepted
+        self.table = AdaptiveK(MAX_K, clock=lambda: self.now, **table)
+        self.drafted: dict[str, int] = {}
+
+    def step(self, batch: int, prefill: bool = False, busy_after: bool = True) -> int:
+        k = self.table[batch]
+        reqs = [f"r{i}" for i in range(batch)]
+        verified = {r: [7] * self.drafted.get(r, 0) for r in reqs if self.drafted.get(r, 0)}
+        tokens = {r: 1 + len(verified.get(r, ())) + (20 if prefill and r == "r0" else 0) for r in reqs}
+        output = SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                                 scheduled_spec_decode_tokens=verified, num_spec_tokens_to_schedule=k)
+        self.now += self.cost(batch, k)
+        sampled = [[1] * (1 + min(self.accepted(len(verified.get(r, ()))), len(verified.get(r, ())))) for r in reqs]
+        self.table.observe(output, sampled, busy_after)
+        self.drafted = {r: k for r in reqs}
+        return k
+
+
+def accepts_two(k: int) -> int:
+    return min(k, 2)
+
+
+def test_small_batches_draft_and_large_ones_turn_drafting_down():
+    """Drafting costs 5% of a step per token at batch 1 (it pays) and 90% at batch 16 (it does
+    not): after pricing K = 3 and K = 0, batch 1 settles on drafting and batch 16 on K = 0."""
+    engine = Engine(lambda b, k: 0.01 * b ** 0.5 * (1 + (0.05 if b == 1 else 0.9) * k), accepts_two)
+    ones = [engine.step(1) for _ in range(200)]
+    sixteens = [engine.step(16) for _ in range(200)]
+    assert ones[:7] == [3, 3, 3, 0, 0, 0, 3], "K = max_k, then K = 0, priced first"
+    assert sum(k >= 2 for k in ones[-100:]) > 80
+    assert sum(k == 0 for k in sixteens[-100:]) > 80
+
+
+def test_drafting_probes_cost_at_most_the_budget_when_catching_up_is_dear():
+    """While K = 0 pays at batch 16, a drafting probe's first step also catches the drafter up (10
+    K = 0 steps' time here): probes then wait until the K = 0 time since the last one is 1 /
+    probe_budget times that cost, so over a long run they take a few percent of the time (probes
+    every 4th choice here, were they free)."""
+    state = {"last": 0}
+
+    def cost(batch, k):
+        dear = 10 * 0.04 if k and state["last"] == 0 else 0.0  # the catch-up after K = 0 steps
+        state["last"] = k
+        return 0.04 * (1 + 0.9 * k) + dear
+
+    engine = Engine(cost, accepts_two, probe_every=4, max_probe_every=4)
+    ks = [engine.step(16) for _ in range(2000)]
+    drafting = sum(k != 0 for k in ks[6:])
+    assert 0 < drafting < 0.03 * len(ks), drafting
+
+
+def test_steps_that_cannot_be_priced_are_not():
+    """A step with a prefill, a step that verifies drafts of another K, and the first step after
+    the engine went idle are not priced: the table's estimates stay as they were."""
+    engine = Engine(lambda b, k: 0.01, accepts_two)
+    def priced():
+        return {b: (cost.plain.sw, cost.drafting.sw, cost.drafting.sy) for b, cost in engine.table.cost.items()}
+
+    engine.step(4)  # no previous end: not priced
+    assert priced() == {}
+    engine.step(4, prefill=True)
+    assert priced() == {}
+    engine.step(4, busy_after=False)  # priced (K held), but the next interval includes idle time
+    after_idle = priced()
+    assert after_idle
+    engine.now += 100.0
+    assert engine.step(4) == 0  # after idle time, and verifying K = 3's drafts: not priced
+    assert priced() == after_idle
+    engine.step(4)  # K = 0 verifying K = 0: priced
+    assert priced() != after_idle
+
+
+def test_a_k_is_held_for_a_few_steps_so_that_steps_verify_their_own_k():
+    engine = Engine(lambda b, k: 0.01, accepts_two)
+    ks = [engine.step(2) for _ in range(12)]
+    assert ks[:3] == [ks[0]] * 3 and ks[3:6] == [ks[3]] * 3
+
+
+def test_a_fixed_cost_of_drafting_at_all_keeps_small_k_from_looking_cheap():
+    """Drafting at all costs 0.9 of a K = 0 step, each drafted token 0.1 more, and one draft in two
+    is accepted: K = 1 is slower than K = 0 (a line through K = 0 and K = 3 would call it faster);
+    after pricing K = 3 and K = 0 the table settles on K = 0, not on K = 1."""
+    engine = Engine(lambda b, k: 0.05 * (1 + (0.9 + 0.1 * k if k else 0)), lambda k: min(k, 1))
+    ks = [engine.step(16) for _ in range(300)]
+    assert sum(k == 0 for k in ks[6:]) > 0.9 * len(ks[6:]) and 1 not in ks
+
+
+def test_max_k_must_be_positive():
+    with pytest.raises(ValueError, match="max_k"):
+        AdaptiveK(0)

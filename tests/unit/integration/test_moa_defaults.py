@@ -1,0 +1,71 @@
+"""What "moa" fills in for options a user leaves out (integration/shell/moa_defaults.py): no vLLM
+needed, the SpeculativeConfig stands in as a namespace."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_moa.config import DrafterConfigError, read_drafter_config
+from vllm_moa.integration.shell.moa_defaults import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    apply_defaults,
+    requested_adaptive,
+    resolve_adaptive,
+    shipped_drafter_for,
+    shipped_moa_drafters,
+)
+from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2
+
+
+def signature_of(drafter_dir):
+    return read_drafter_config(drafter_dir).target_signature
+
+
+def test_the_drafter_shipped_for_each_target_is_found_by_its_signature():
+    assert shipped_drafter_for(signature_of(SHIPPED / "moa-tli0")) == SHIPPED / "moa-tli0"
+    assert shipped_drafter_for(signature_of(SHIPPED_SMOLLM2 / "moa-tli0")) == SHIPPED_SMOLLM2 / "moa-tli0"
+    assert [d.name for d in shipped_moa_drafters()][:2] == ["moa-tli0", "moa-tli0"]  # TLI = 0 first
+
+
+def test_same_shapes_other_weights_or_no_fingerprint_find_nothing():
+    demo = signature_of(SHIPPED / "moa-tli0")
+    for actual in (replace(demo, fingerprint="0" * 16), replace(demo, fingerprint="")):
+        with pytest.raises(DrafterConfigError, match="vllm-moa train --target") as refused:
+            shipped_drafter_for(actual)
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("value,tree,schedule,expected", [
+    (None, False, False, True), (None, True, False, False), (None, False, True, False),
+    (False, False, False, False), (True, False, False, True), (False, True, False, False),
+])
+def test_adaptive_resolution(value, tree, schedule, expected):
+    assert resolve_adaptive(value, tree=tree, user_schedule=schedule) is expected
+
+
+@pytest.mark.parametrize("value,tree,schedule,words", [
+    ("yes", False, False, "must be true or false"), (1, False, False, "must be true or false"),
+    (True, True, False, "moa_tree"), (True, False, True, "num_speculative_tokens_per_batch_size"),
+])
+def test_adaptive_refusals_name_the_option(value, tree, schedule, words):
+    with pytest.raises(DrafterConfigError, match=words):
+        resolve_adaptive(value, tree=tree, user_schedule=schedule)
+
+
+def test_apply_defaults_fills_only_what_was_left_out():
+    actual = signature_of(SHIPPED / "moa-tli0")
+    spec = SimpleNamespace(model=None, num_speculative_tokens=None, moa_retrieval=None, moa_tree=None,
+                           moa_adaptive=None, num_speculative_tokens_per_batch_size=None)
+    apply_defaults(spec, actual)
+    assert spec.model == str(SHIPPED / "moa-tli0") and spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    assert spec.moa_retrieval == {} and spec.moa_adaptive is True and requested_adaptive(spec)
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, DEFAULT_NUM_SPECULATIVE_TOKENS)]
+    given = SimpleNamespace(model="/my/drafter", num_speculative_tokens=2, moa_retrieval=False, moa_tree=None,
+                            moa_adaptive=False, num_speculative_tokens_per_batch_size=None)
+    apply_defaults(given, actual)
+    assert (given.model, given.num_speculative_tokens, given.moa_retrieval, given.moa_adaptive) == \
+        ("/my/drafter", 2, False, False)
+    assert given.num_speculative_tokens_per_batch_size is None and not requested_adaptive(given)

@@ -1,0 +1,99 @@
+"""What speculative method "moa" does with the options a user leaves out: the best configuration
+measured inside vLLM's engine, so that `{"method": "moa"}` alone is the configuration to use.
+
+    model                    the shipped MoA drafter trained for this target (its signature and
+                             weight fingerprint match), else a one-line refusal saying how to train one
+    num_speculative_tokens   4 (MoA + lookup chains: K = 4 measured best at concurrency 1,
+                             docs/results.md)
+    moa_retrieval            {} (lookup drafts merged into the model's; `false` turns it off):
+                             never slower than MoA alone in vLLM's CPU engine, at concurrency 1 and 16
+    moa_adaptive             true for chains without a schedule of the user's: K per batch size,
+                             0 included, chosen from measured tokens per second (adaptive_k.py);
+                             `false` drafts K at every step
+
+No vLLM import here: the functions take plain values and the SpeculativeConfig being built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, read_drafter_config
+from vllm_moa.shipped import MOA_DRAFTERS, SHIPPED, SHIPPED_SMOLLM2
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+ADAPTIVE_FIELD = "moa_adaptive"  # speculative_config key (patches.AdaptiveFieldPatch declares it)
+RETRIEVAL_FIELD = "moa_retrieval"
+TREE_FIELD = "moa_tree"
+SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"  # vLLM's own K by batch size
+TRAIN_HINT = ("train one for it (`vllm-moa train --target <target dir> --prompts <prompts.jsonl>`) and pass "
+              "its directory as \"model\"")
+
+
+def shipped_moa_drafters() -> list[Path]:
+    """The MoA drafters inside the package, TLI = 0 first (trees need TLI = 0)."""
+    return [root / name for name in MOA_DRAFTERS for root in (SHIPPED_SMOLLM2, SHIPPED)
+            if (root / name / "model.safetensors").is_file()]
+
+
+def shipped_drafter_for(actual: Any) -> Path:
+    """The first shipped MoA drafter whose target signature is `actual`'s (a TargetSignature),
+    weight fingerprint included; raises DrafterConfigError (one line, how to train one) without."""
+    for directory in shipped_moa_drafters():
+        config = read_drafter_config(directory)
+        wanted = config.target_signature
+        if not (actual.fingerprint and wanted.fingerprint == actual.fingerprint):
+            continue  # shapes alone do not say the weights are the ones it was trained on
+        try:
+            wanted.check_compatible(actual)
+        except DrafterTargetMismatch:
+            continue
+        return directory
+    raise DrafterConfigError(
+        f"speculative method 'moa' without \"model\": no MoA drafter shipped with vllm-moa was trained for this "
+        f"target ({actual.name or '?'}: {actual.architecture}, {actual.num_layers} layers, vocabulary "
+        f"{actual.vocab_size}); {TRAIN_HINT}")
+
+
+def resolve_adaptive(value: Any, *, tree: bool, user_schedule: bool) -> bool:
+    """moa_adaptive as given (None: left out) -> whether K follows measured speed; refuses what
+    cannot be honoured, naming it."""
+    if value is not None and not isinstance(value, bool):
+        raise DrafterConfigError(f"{ADAPTIVE_FIELD} must be true or false, got {value!r}")
+    if value is True and tree:
+        raise DrafterConfigError(f"{ADAPTIVE_FIELD} chooses a chain's K per batch size; a tree ({TREE_FIELD}) has "
+                                 "its own choice (moa_tree.chain_if_faster): drop one of them")
+    if value is True and user_schedule:
+        raise DrafterConfigError(f"{ADAPTIVE_FIELD} measures K per batch size; {SCHEDULE_FIELD} writes it: "
+                                 "drop one of them")
+    if value is None:
+        return not tree and not user_schedule
+    return value
+
+
+def apply_defaults(speculative_config: Any, actual: Any) -> None:
+    """Fill the options a "moa" SpeculativeConfig leaves out (this module's table), in place,
+    before vLLM's own __post_init__ runs. `actual`: the target's TargetSignature."""
+    spec = speculative_config
+    if not spec.model:
+        spec.model = str(shipped_drafter_for(actual))
+    if spec.num_speculative_tokens is None:
+        spec.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+    if getattr(spec, RETRIEVAL_FIELD, None) is None:
+        setattr(spec, RETRIEVAL_FIELD, {})
+    tree = getattr(spec, TREE_FIELD, None) is not None
+    adaptive = resolve_adaptive(getattr(spec, ADAPTIVE_FIELD, None), tree=tree,
+                                user_schedule=getattr(spec, SCHEDULE_FIELD, None) is not None)
+    setattr(spec, ADAPTIVE_FIELD, adaptive)
+    if adaptive:
+        # vLLM's own mark of a K that changes per step (it keeps full CUDA graphs off, and turns
+        # the schedule off under data parallelism); the scheduler's table is then measured
+        # (adaptive_k.SchedulerInitPatch), not this one
+        setattr(spec, SCHEDULE_FIELD, [(1, 1, spec.num_speculative_tokens)])
+
+
+def requested_adaptive(speculative_config: Any) -> bool:
+    """Whether a built "moa" SpeculativeConfig chooses K by measured speed (apply_defaults ran)."""
+    return getattr(speculative_config, ADAPTIVE_FIELD, None) is True \
+        and getattr(speculative_config, SCHEDULE_FIELD, None) is not None
