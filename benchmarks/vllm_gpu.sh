@@ -121,7 +121,7 @@ bench)
     extra=()
     if [ -n "${QUICK:-}" ]; then
         settings=(TRITON_ATTN:graphs)
-        extra=(--concurrency 1 16 64 --ks 3 --max-tokens 64 --methods none "ngram K=3" "moa K=3" "hybrid K=3" \
+        extra=(--concurrency 1 16 64 --ks 3 --max-tokens 64 --methods none "ngram K=3" "moa K=3" "moa (defaults)" \
                "moa tree 5,4,16")
     fi
     [ -n "${FLASH:-}" ] && settings+=(FLASH_ATTN:graphs)

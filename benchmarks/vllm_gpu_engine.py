@@ -155,7 +155,8 @@ def main() -> None:
     heldout = heldout_prompts_file(drafter)
     texts = load_prompts(target, None, args.num_prompts, args.prompt_tokens, heldout)
     prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
-    configs = methods(drafter, args.ks, args.ngram_k, None, 0, args.trees, args.retrieval, args.per_batch_size)
+    configs = methods(drafter, args.ks, args.ngram_k, None, 0, args.trees, args.retrieval, args.per_batch_size,
+                      defaults=True)  # + "moa (defaults)": {"method": "moa"} as a user writes it
     if args.methods is not None:
         unknown = sorted(set(args.methods) - set(configs))
         if unknown or "none" not in args.methods:
