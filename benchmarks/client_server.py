@@ -423,6 +423,9 @@ def main_vllm(args, prov: dict) -> None:
             row["speedup_vs_api"] = round(api / row["ms_per_token"], 3)
     prov["config"] = {**prov["config"], "backend": "vllm", "engine": VLLM_ENGINE, "rtt_ms": VLLM_RTTS,
                       "target": args.target, "prompts_used": [len(p) for p in prompts],
+                      "prompt_tokens": [len(p) for p in prompts],
+                      "models": f"{target_dir or SHIPPED / 'target'} + {', '.join(drafters)} (server: "
+                                f"{', '.join(served or drafters)})",
                       "bandwidth_mbit": [100], "clients": VLLM_CLIENTS}
     result = {"summary": {"latency_vllm": summary}, "latency_rows": latency,
               "wall_seconds": round(time.perf_counter() - started, 1), "provenance": prov}

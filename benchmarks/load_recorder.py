@@ -260,8 +260,9 @@ def plot(result: dict, path: Path) -> None:
     ax.set(xlabel="seconds since the server started", ylabel="requests per second", title="Throughput")
     ax.legend()
     cfg = result["config"]
-    fig.suptitle(f"vllm-moa server under load: {cfg['clients']} clients for {cfg['duration_s']:.0f} s on the demo "
-                 f"models (CPU, loopback); {s['requests']} requests, "
+    models = "SmolLM2-135M-Instruct" if cfg.get("target") == "smollm2" else "the demo models"
+    fig.suptitle(f"vllm-moa server under load: {cfg['clients']} clients for {cfg['duration_s']:.0f} s on {models} "
+                 f"(CPU, loopback); {s['requests']} requests, "
                  f"{s['server_errors_5xx_other_than_503']} 5xx (other than 503), "
                  f"{s['refusals']['429']} x 429, {s['refusals']['503']} x 503")
     fig.tight_layout()

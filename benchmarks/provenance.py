@@ -1,6 +1,8 @@
-"""Where a benchmark's numbers came from: the commit (and whether the tree had uncommitted
-changes), the machine, and the versions of what ran. Benchmarks put `provenance(...)` in their
-results file; results from a dirty tree say so (`"uncommitted_changes": true`)."""
+"""Where a benchmark's numbers came from: the commit (whole, 40 hex digits), whether the tree had
+uncommitted changes (untracked files count), the machine, and the versions of what ran.
+Benchmarks put `provenance(...)` in their results file; results from a dirty tree say so
+(`"uncommitted_changes": true`), and where git could not say, both are null (unknown), never
+clean."""
 
 from __future__ import annotations
 
@@ -14,11 +16,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def git(*args: str) -> str:
+def git(*args: str, root: Path = ROOT) -> str | None:
+    """git's output, or None when git is missing or fails (not a repository, ...)."""
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return ""
+        return None
+
+
+def uncommitted_changes(root: Path = ROOT) -> bool | None:
+    """Whether the tree differs from its commit, untracked files included; None: unknown."""
+    status = git("status", "--porcelain", "--untracked-files=normal", root=root)
+    return None if status is None else bool(status)
 
 
 def cpu_model() -> str:
@@ -44,8 +53,8 @@ def versions(*distributions: str) -> dict[str, str]:
 def provenance(**extra) -> dict:
     """commit, uncommitted_changes, date, device, cpu, cores, python and package versions, + extra."""
     return {
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "HEAD") or None,
+        "uncommitted_changes": uncommitted_changes(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": "cpu",
         "cpu": cpu_model(),

@@ -395,10 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
             "duration_s": args.duration, "clients": c, "client_kinds": dict(Counter(kinds)),
             "backend": args.backend, "target": args.target, "server_preload": args.server_preload,
             "vllm_engine": VLLM_ENGINE if args.backend == "vllm" else None,
-            "health_probe_period_s": 0.25, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+            "health_probe_period_s": 0.25, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
             "new_tokens": [args.min_new_tokens, args.max_new_tokens], "greedy": True, "seed": args.seed,
             "server": "python -m vllm_moa.cli serve --threads 1 (OMP_NUM_THREADS=1), bearer token per client, "
-                      "demo target + moa-tli0 + moa-tli1 (vllm_moa/assets/demo)",
+                      f"{target_dir or SHIPPED / 'target'} + {' + '.join(drafters)}",
             "server_limits": server_limits, "client_torch_threads": 1, "request_timeout_s": TIMEOUT_S,
             "latency": "client-side, from send to the response headers (streams) or the whole answer",
         },

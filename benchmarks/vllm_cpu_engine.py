@@ -254,6 +254,10 @@ def main() -> None:
         print(f"{row['method']:>12} c={row['concurrency']:>2}  {row['output_tokens_per_s']:7.1f} tok/s  "
               f"x{row['speedup_over_none']:.2f}  AL {al}  same={row['equals_no_speculation']}")
     print(f"wrote {out}")
+    differing = sorted({f"{r['method']} c={r['concurrency']}" for r in rows if not r["equals_no_speculation"]})
+    if differing:  # recorded in the file, and the run fails: speed of wrong output is no result
+        print(f"FAILED: output differs from no speculation's: {', '.join(differing)}", file=sys.stderr)
+        sys.exit(1)
 
 
 def plot(rows: list[dict], path: Path, name: str) -> None:

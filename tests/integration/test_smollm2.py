@@ -129,7 +129,7 @@ def test_shipped_drafters_reproduce_transformers_generate(target, prompt_ids, tr
     drafter = load_drafter(SHIPPED_SMOLLM2 / name, target).eval()
     result = SpeculativeEngine(target, drafter, spec).generate([prompt_ids], max_tokens=NEW_TOKENS, eos_token_id=2)[0]
     assert result.token_ids == transformers_greedy
-    assert result.acceptance_length > 1.1, result.acceptance_length
+    assert result.acceptance_length > 1.5, result.acceptance_length
 
 
 def test_runtime_demo_runs_on_smollm2(folder):
@@ -146,7 +146,7 @@ def test_runtime_demo_runs_on_smollm2(folder):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["target"] == "smollm2" and result["new_tokens"] == 32 and result["engine"] == "runtime"
-    assert result["acceptance_length"] > 1.1 and result["draft"].endswith("+ lookup")
+    assert result["acceptance_length"] > 2.0 and result["draft"].endswith("+ lookup")
 
 
 @pytest.mark.parametrize("spec", [DraftSpec.chain(3), DraftSpec.tree(depth=5, top_k=4, budget=16)],
@@ -172,3 +172,39 @@ def test_runtime_sampling_matches_the_target_on_its_real_vocabulary(target, spec
     probs = sampling_stats.pair_distribution(prompt, 0.7)
     assert sampling_stats.pair_p(outputs, probs) > 1e-3
     assert sampling_stats.pair_p(outputs, sampling_stats.pair_distribution(prompt, 0.91), buckets_of=probs) < 1e-3
+
+
+# -- acceptance floors: a worse drafter fails them, noise does not ------------------------------
+FLOOR_PROMPTS, FLOOR_TOKENS, FLOOR_K = 8, 48, 3
+# per position 1..K: the share of verifications whose i-th draft was accepted, greedy, fp32
+# drafter weights, chain K=3, the first 8 held-out prompts x 48 tokens. Measured on the shipped
+# drafters (MoA 0.665 / 0.396 / 0.268, EAGLE-style 0.603 / 0.362 / 0.224), floors 0.04 below:
+# greedy decoding is deterministic on a machine, and fp32 sums differing across CPUs move an argmax
+# in a round or two of ~150 (about 0.01); the MoA shipped before (6fdbd06, the third accelerator
+# run) reads 0.534 / 0.291 / 0.201, below every MoA floor
+FLOORS = {"moa-tli0": (0.625, 0.356, 0.228), "eagle": (0.563, 0.322, 0.184)}
+
+
+def acceptance_per_position(target, folder, drafter_dir) -> list[float]:
+    """The floors' measure for one drafter directory."""
+    import json
+
+    from vllm_moa.models import load_drafter
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
+    from vllm_moa.training.data import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    texts = json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())[:FLOOR_PROMPTS]
+    engine = SpeculativeEngine(target, load_drafter(drafter_dir, target), DraftSpec.chain(FLOOR_K))
+    results = engine.generate([encode_prompt(tokenizer, t) for t in texts], FLOOR_TOKENS)
+    accepted = [a for r in results for a in r.accepted_per_forward]
+    return [sum(1 for a in accepted if a - 1 >= i) / len(accepted) for i in range(1, FLOOR_K + 1)]
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_shipped_drafters_accept_above_their_floors_per_position(target, folder, name):
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
+
+    measured = acceptance_per_position(target, folder, SHIPPED_SMOLLM2 / name)
+    for position, (got, floor) in enumerate(zip(measured, FLOORS[name]), start=1):
+        assert got >= floor, f"{name}: position {position} accepts {got:.3f} < floor {floor} ({measured})"

@@ -53,3 +53,38 @@ def vllm_distributed():
                                          distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
             initialize_model_parallel(1, 1)
     yield
+
+
+# -- CI: the engine tests must run, not skip ----------------------------------------------------
+# With VLLM_MOA_REQUIRE_ENGINE_TESTS=1 (noxfile.py's vllm_cpu session) the session fails when no
+# test marked vllm_engine ran, or when any of them was skipped: an environment where vLLM's
+# engine cannot start would otherwise pass by skipping everything that matters.
+REQUIRE_ENGINE_ENV = "VLLM_MOA_REQUIRE_ENGINE_TESTS"
+_engine_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "vllm_engine" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        _engine_outcomes[report.nodeid] = report.outcome if report.when == "call" or report.outcome == "skipped" \
+            else "failed"
+
+
+def missing_engine_tests(outcomes: dict[str, str]) -> str | None:
+    """Why the engine tests do not count as run (None: they all ran)."""
+    if not outcomes:
+        return "no test of vLLM's engine ran (marker vllm_engine)"
+    skipped = sorted(node for node, outcome in outcomes.items() if outcome == "skipped")
+    if skipped:
+        return f"{len(skipped)} of {len(outcomes)} engine tests were skipped, e.g. {skipped[0]}"
+    return None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import os
+
+    if os.environ.get(REQUIRE_ENGINE_ENV) != "1":
+        return
+    reason = missing_engine_tests(_engine_outcomes)
+    if reason is not None:
+        session.config.get_terminal_writer().line(f"{REQUIRE_ENGINE_ENV}=1: {reason}", red=True)
+        session.exitstatus = 1

@@ -1,0 +1,40 @@
+"""Provenance of results files (benchmarks/provenance.py): untracked files make a tree dirty, a git
+that cannot answer is recorded as unknown (never as clean), and every committed results file
+records its commit whole, a commit this repository has."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks.provenance import ROOT, git, uncommitted_changes
+
+
+def test_untracked_files_count_and_a_failing_git_is_unknown(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    assert uncommitted_changes(repo) is False
+    (repo / "new.txt").write_text("untracked")
+    assert uncommitted_changes(repo) is True
+    outside = tmp_path / "not-a-repo"
+    outside.mkdir()
+    assert git("rev-parse", "HEAD", root=outside) is None and uncommitted_changes(outside) is None
+
+
+def test_results_files_record_whole_commits_that_exist():
+    if git("rev-parse", "--is-shallow-repository") != "false":
+        pytest.skip("a shallow clone (or no git): older commits cannot be looked up")
+    recorded = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        commit = data.get("provenance", {}).get("commit") if isinstance(data, dict) else None
+        if commit is not None:
+            recorded[path.name] = commit
+    assert len(recorded) > 50
+    for name, commit in recorded.items():
+        assert isinstance(commit, str) and len(commit) == 40, f"{name}: commit {commit!r} is not whole"
+        assert git("cat-file", "-e", f"{commit}^{{commit}}") is not None, f"{name}: commit {commit} is not in this repository"
