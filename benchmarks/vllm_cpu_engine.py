@@ -41,6 +41,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 
 
@@ -127,10 +128,6 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
         out[f"moa-tli1 K={tli1_k}"] = {"method": "moa", "model": str(tli1), "num_speculative_tokens": tli1_k,
                                        **MOA_ALONE}
     return out
-
-
-# the plugin's defaults turned off: MoA's drafts alone, K at every step (moa_defaults.py)
-MOA_ALONE = {"moa_retrieval": False, "moa_adaptive": False}
 
 
 EVERY_PASS = ", every pass"  # a method run with VLLM_MOA_CATCH_UP=0

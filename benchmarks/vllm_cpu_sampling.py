@@ -28,10 +28,10 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 
 DRAFTER = ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0"
-CHAIN = {"method": "moa", "model": str(DRAFTER), "num_speculative_tokens": 3, "moa_retrieval": False,
-         "moa_adaptive": False}
+CHAIN = {"method": "moa", "model": str(DRAFTER), "num_speculative_tokens": 3, **MOA_ALONE}
 TREE = {**CHAIN, "num_speculative_tokens": 16, "moa_tree": {"depth": 5, "top_k": 4, "chain_if_faster": False}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 FIX = "VLLM_MOA_FIX_CPU_SAMPLER"

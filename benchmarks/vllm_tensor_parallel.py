@@ -36,6 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts, resolve_target  # noqa: E402
 from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 from vllm_moa.integration.shell.tp_layout import cpu_thread_binding  # noqa: E402
 from vllm_moa.shipped import SHIPPED  # noqa: E402
 
@@ -92,7 +93,7 @@ def main() -> None:
     depth, top_k, budget = (int(x) for x in args.tree.split(","))
     methods = {"none": None,
                f"moa K={args.k}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": args.k,
-                                    "moa_retrieval": False, "moa_adaptive": False},
+                                    **MOA_ALONE},
                f"moa tree {args.tree}": {"method": "moa", "model": str(args.drafter), "num_speculative_tokens": budget,
                                          "moa_retrieval": False,
                                          "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": False}}}

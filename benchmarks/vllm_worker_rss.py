@@ -28,12 +28,12 @@ import psutil  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 
 DRAFTER = str(ROOT / "vllm_moa" / "assets" / "smollm2" / "moa-tli0")
 METHODS = {
     "none": None,
-    "moa": {"method": "moa", "model": DRAFTER, "num_speculative_tokens": 3, "moa_retrieval": False,
-            "moa_adaptive": False},
+    "moa": {"method": "moa", "model": DRAFTER, "num_speculative_tokens": 3, **MOA_ALONE},
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
 }
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"

@@ -29,10 +29,11 @@ ENGINE_ARGS = {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 4}  # 
 def engine_environment() -> dict[str, str]:
     """vLLM CPU's OpenMP threads on every core this process may use (its default is fewer),
     unless the user set VLLM_CPU_OMP_THREADS_BIND."""
+    from vllm_moa.integration.shell.tp_layout import cpu_thread_binding
+
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not hasattr(os, "sched_getaffinity"):
         return {}
-    cores = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(1, sorted(os.sched_getaffinity(0)))}
 
 
 def run_vllm_demo(max_new_tokens: int = 128, prompt: str | None = None, target: str = "smollm2",

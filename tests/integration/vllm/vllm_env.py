@@ -91,9 +91,9 @@ def first_difference(got, want) -> int:
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-# the plugin's defaults (lookup, K by measured speed: moa_defaults.py) turned off: MoA's drafts
-# alone, K at every step, as the tests of those parts need
-MOA_ALONE = {"moa_retrieval": False, "moa_adaptive": False}
+# the plugin's defaults (lookup, K by measured speed) turned off, as the tests of MoA's own parts
+# need: moa_defaults.MOA_ALONE
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 
 
 def moa(k: int, drafter: str = DRAFTER, tree: tuple | None = None,

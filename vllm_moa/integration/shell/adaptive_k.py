@@ -63,8 +63,9 @@ class Window:
 
     k: int
     probe: bool  # a K other than the verdict, to keep an estimate current
-    seconds: float = 0.0
-    steps: int = 0
+    left: int  # steps still to schedule at this K
+    seconds: float = 0.0  # the time of its steps that only decoded at K
+    steps: int = 0  # how many those were
 
 
 class AdaptiveK:
@@ -83,7 +84,6 @@ class AdaptiveK:
         self.cost: dict[int, StepCost] = {}  # batch size -> its step time by K
         self.priced: dict[int, set[int]] = {}  # batch size -> the K priced there
         self.window: dict[int, Window] = {}  # batch size -> its current window
-        self.left: dict[int, int] = {}  # batch size -> steps left in its window
         self.choices: dict[int, int] = {}  # batch size -> choices since its last probe
         self.probe_every: dict[int, int] = {}
         self.verdict: dict[int, int] = {}
@@ -92,17 +92,14 @@ class AdaptiveK:
         self.probe_cost: dict[int, float] = {}
         self.plain_seconds: dict[int, float] = {}
         self.last_end: float | None = None  # when the previous busy step's output arrived
-        self.steps: dict[int, int] = {}  # K -> steps scheduled (what it did, for logs and tests)
 
     def __getitem__(self, batch: int) -> int:
-        if self.left.get(batch, 0) <= 0:
+        window = self.window.get(batch)
+        if window is None or window.left <= 0:
             self._close(batch)
-            self.window[batch] = Window(*self.choose(batch))
-            self.left[batch] = self.hold
-        self.left[batch] -= 1
-        k = self.window[batch].k
-        self.steps[k] = self.steps.get(k, 0) + 1
-        return k
+            window = self.window[batch] = Window(*self.choose(batch), left=self.hold)
+        window.left -= 1
+        return window.k
 
     def tokens_per_second(self, batch: int, k: int, fit: StepCost) -> float:
         return batch * self.acceptance.expected_tokens(k) / max(1e-9, fit.predict(k))
@@ -179,6 +176,9 @@ class AdaptiveK:
             self.acceptance.observe(k, [max(0, min(k, len(t) - 1)) for t in sampled_token_ids])
 
 
+CHECKED_ATTR = "_vllm_moa_adaptive_checked"  # set on a scheduler once SchedulerUpdatePatch has looked
+
+
 class SchedulerUpdatePatch(VllmPatch):
     """Scheduler.update_from_output: for a "moa" engine whose K follows measured speed
     (moa_defaults.requested_adaptive), install AdaptiveK as the scheduler's K table on the first
@@ -192,9 +192,11 @@ class SchedulerUpdatePatch(VllmPatch):
 
         @functools.wraps(original)
         def update_from_output(self, scheduler_output, model_runner_output):
+            if not hasattr(self, CHECKED_ATTR):  # once per scheduler: is it a "moa" engine with K by speed?
+                setattr(self, CHECKED_ATTR, True)
+                if self.dynamic_sd_lookup is not None and adaptive_engine(self.vllm_config):
+                    self.dynamic_sd_lookup = AdaptiveK(self.vllm_config.speculative_config.num_speculative_tokens)
             table = self.dynamic_sd_lookup
-            if table is not None and not isinstance(table, AdaptiveK) and adaptive_engine(self.vllm_config):
-                table = self.dynamic_sd_lookup = AdaptiveK(self.vllm_config.speculative_config.num_speculative_tokens)
             outputs = original(self, scheduler_output, model_runner_output)
             if isinstance(table, AdaptiveK):
                 table.observe(scheduler_output, model_runner_output.sampled_token_ids, bool(self.running))

@@ -64,6 +64,7 @@ def check_moa_drafter(
     pipeline_parallel_size: int = 1,
     draft_tensor_parallel_size: int | None = None,
     strict_fingerprint: bool = True,
+    actual: Any = None,
 ) -> MoAConfig:
     """Validate a speculative_config {"method": "moa", "model": drafter, ...} against the target.
 
@@ -93,7 +94,8 @@ def check_moa_drafter(
             f"{path}: model_type is {config.model_type!r}, but speculative method 'moa' needs a MoA drafter "
             f"(model_type {MoAConfig.model_type!r})"
         )
-    actual = signature_from_hf_config(target_hf_config, target_path)
+    if actual is None:  # the target's TargetSignature, unless the caller read it already
+        actual = signature_from_hf_config(target_hf_config, target_path)
     config.target_signature.check_compatible(actual, strict_fingerprint=strict_fingerprint)
 
     check_parallel_setup(config, target_hf_config, tensor_parallel_size, pipeline_parallel_size,

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, read_drafter_config
+from vllm_moa.integration.shell.draft_config import RETRIEVAL_FIELD, TREE_FIELD
 from vllm_moa.shipped import MOA_DRAFTERS, SHIPPED, SHIPPED_SMOLLM2
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 ADAPTIVE_FIELD = "moa_adaptive"  # speculative_config key (patches.AdaptiveFieldPatch declares it)
-RETRIEVAL_FIELD = "moa_retrieval"
-TREE_FIELD = "moa_tree"
+# the defaults turned off: MoA's drafts alone, K at every step (benchmarks' and tests' "moa K=k")
+MOA_ALONE = {RETRIEVAL_FIELD: False, ADAPTIVE_FIELD: False}
 SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"  # vLLM's own K by batch size
 TRAIN_HINT = ("train one for it (`vllm-moa train --target <target dir> --prompts <prompts.jsonl>`) and pass "
               "its directory as \"model\"")

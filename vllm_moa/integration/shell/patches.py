@@ -129,13 +129,14 @@ class SpeculativePostInitPatch(VllmPatch):
             if target is None or parallel is None:
                 raise ValueError("speculative method 'moa' needs the target's model and parallel configs "
                                  "(build the engine through EngineArgs, LLM or vllm serve)")
-            apply_defaults(self, signature_from_hf_config(target.hf_config, target.model))  # moa_defaults.py
+            actual = signature_from_hf_config(target.hf_config, target.model)  # reads the checkpoint: once
+            apply_defaults(self, actual)  # moa_defaults.py
             retrieval_options(getattr(self, RETRIEVAL_FIELD, None))
             drafter = check_moa_drafter(
                 self.model, target.hf_config, target.model,
                 tensor_parallel_size=parallel.tensor_parallel_size,
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
-                draft_tensor_parallel_size=self.draft_tensor_parallel_size,
+                draft_tensor_parallel_size=self.draft_tensor_parallel_size, actual=actual,
             )
             check_model_runner(os.environ.get(V2_RUNNER_ENV))
             if moa_tree is not None:
