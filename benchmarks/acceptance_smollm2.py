@@ -29,6 +29,7 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from vllm_moa.chat import encode_prompt  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import summarize  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
@@ -36,7 +37,7 @@ from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402
-from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
+from vllm_moa.training.data import read_prompts  # noqa: E402
 
 SETS = ("mt_bench", "gsm8k", "alpaca", "qa", "sum")
 

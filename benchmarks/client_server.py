@@ -381,9 +381,9 @@ def main_vllm(args, prov: dict) -> None:
     torch.set_num_threads(1)
     served = None
     if args.target == "smollm2":
+        from vllm_moa.chat import encode_prompt
         from vllm_moa.shipped import SHIPPED_SMOLLM2
         from vllm_moa.targets import fetch_smollm2
-        from vllm_moa.training.data import encode_prompt
 
         target_dir = fetch_smollm2()
         target = TargetModel.from_pretrained(target_dir)

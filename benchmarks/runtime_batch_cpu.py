@@ -41,6 +41,7 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from vllm_moa.chat import encode_prompt  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import summarize  # noqa: E402
 from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
@@ -50,7 +51,7 @@ from vllm_moa.packed_linear import weight_format  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402
-from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
+from vllm_moa.training.data import read_prompts  # noqa: E402
 
 SHAPES = {"chain K=3": DraftSpec.chain(3), "tree 3,2,4": DraftSpec.tree(3, 2, 4)}
 

@@ -41,6 +41,7 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import provenance as common_provenance  # noqa: E402
+from vllm_moa.chat import encode_prompt  # noqa: E402
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import summarize  # noqa: E402
@@ -50,7 +51,7 @@ from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.packed_linear import weight_format  # noqa: E402
 from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2  # noqa: E402
 from vllm_moa.target import TargetModel  # noqa: E402
-from vllm_moa.training.data import encode_prompt, read_prompts  # noqa: E402
+from vllm_moa.training.data import read_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")

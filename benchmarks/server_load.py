@@ -206,7 +206,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--clients must be >= 1 and --duration > 0")
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         parser.error("need 1 <= --min-new-tokens <= --max-new-tokens")
+    if args.server_preload and not Path(args.server_preload).is_file():
+        parser.error(f"--server-preload {args.server_preload}: no such file (Debian: apt-get install "
+                     "libtcmalloc-minimal4)")
     return args
+
+
+def errors_in_log(log: str, context: int = 3, limit: int = 6000) -> str:
+    """The log's ERROR and Traceback lines with `context` lines after each (a traceback's body),
+    at most `limit` characters; empty when there are none."""
+    lines = log.splitlines()
+    keep = sorted({j for i, line in enumerate(lines) if "ERROR" in line or "Traceback" in line
+                   for j in range(i, min(len(lines), i + 1 + (40 if "Traceback" in line else context)))})
+    return "\n".join(lines[j] for j in keep)[:limit]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -231,9 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.out = ROOT / "benchmarks" / "results" / f"{name}.json"
     target_dir, served = None, None
     if args.target == "smollm2":
+        from vllm_moa.chat import encode_prompt
         from vllm_moa.shipped import SHIPPED_SMOLLM2
         from vllm_moa.targets import fetch_smollm2
-        from vllm_moa.training.data import encode_prompt
 
         target_dir = fetch_smollm2()
         target = TargetModel.from_pretrained(target_dir)
@@ -344,8 +356,9 @@ def main(argv: list[str] | None = None) -> dict:
     code = stop_server(proc)
     server_log = log_path.read_text(errors="replace")
     log_path.unlink(missing_ok=True)
-    if "Traceback" in server_log or "ERROR" in server_log:
-        rec.fail(f"the server logged errors:\n{server_log[-3000:]}")
+    error_lines = errors_in_log(server_log)
+    if error_lines:
+        rec.fail(f"the server logged errors:\n{error_lines}")
 
     summary = summarize(rec, (phases["load_start"], phases["load_end"]), until=phases["drain_end"])
     for kind in sorted(set(kinds)):
@@ -390,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "server_exit_code": code,
         "server_log": {"lines": len(server_log.splitlines()),
                        "warnings": sum("WARNING" in line for line in server_log.splitlines()),
-                       "tail": server_log[-2000:]},
+                       "errors": error_lines, "tail": server_log[-2000:]},
         "config": {
             "duration_s": args.duration, "clients": c, "client_kinds": dict(Counter(kinds)),
             "backend": args.backend, "target": args.target, "server_preload": args.server_preload,

@@ -68,7 +68,8 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
     at most the last prompt_tokens tokens."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.training.data import encode_prompt, read_prompts
+    from vllm_moa.chat import encode_prompt
+    from vllm_moa.training.data import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     if prompts_file is not None:

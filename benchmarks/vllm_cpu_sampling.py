@@ -72,8 +72,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from vllm_moa.chat import encode_prompt
     from vllm_moa.targets import fetch_smollm2
-    from vllm_moa.training.data import encode_prompt
 
     target = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(target))

@@ -40,7 +40,7 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def workload(tokenizer) -> tuple[list[list[int]], list[dict]]:
-    from vllm_moa.training.data import encode_prompt
+    from vllm_moa.chat import encode_prompt
 
     texts = json.loads((ROOT / "vllm_moa" / "assets" / "smollm2" / "heldout_prompts.json").read_text())
     prompts, sampling = [], []

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from vllm_moa import registry as kinds
+from vllm_moa.chat import encode_prompt
 from vllm_moa.decoding.engine import SpeculativeEngine
 from vllm_moa.decoding.results import GenerationResult
 from vllm_moa.decoding.retrieval import Retrieval, lookup_options
@@ -61,16 +62,19 @@ class Speculator:
         retrieval = lookup_options(lookup, model_free=kinds.kind_of(kinds.as_drafter(draft)).model_free)
         return cls(SpeculativeEngine(target_model, draft, spec or DEFAULT_TREE, tokenizer, retrieval=retrieval))
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids: text as it is, or in the target's chat template (`chat`, when it has one)."""
         if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
+            return encode_prompt(self.tokenizer, prompt, chat)
         return list(prompt)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], max_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] | None = None, ignore_eos: bool = False) -> list[GenerationResult]:
-        """Generate for one prompt or a batch (text or token ids); results carry `.text`."""
-        batch = self._batch(prompts)
+                 stop: Sequence[str] | None = None, ignore_eos: bool = False,
+                 chat: bool = False) -> list[GenerationResult]:
+        """Generate for one prompt or a batch (text or token ids; `chat`: text in the target's chat
+        template); results carry `.text`."""
+        batch = self._batch(prompts, chat)
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         eos = None if ignore_eos else self.tokenizer.eos_token_id
         results = self.engine.generate(batch, max_tokens, sampling, seed, eos, stop)
@@ -81,12 +85,12 @@ class Speculator:
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | None = None, ignore_eos: bool = False) -> Iterator[str]:
+               stop: Sequence[str] | None = None, ignore_eos: bool = False, chat: bool = False) -> Iterator[str]:
         """Yield the text of one request piece by piece, as the target verifies it. The pieces
         add up to the result's text (a stop string is never shown)."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         eos = None if ignore_eos else self.tokenizer.eos_token_id
-        batch = self.engine.start([self.encode(prompt)], [max_tokens], sampling, seed, eos, stop)
+        batch = self.engine.start([self.encode(prompt, chat)], [max_tokens], sampling, seed, eos, stop)
         shown = 0
         while True:
             running = batch.step()
@@ -104,10 +108,10 @@ class Speculator:
                 yield text[shown:safe]
                 shown = safe
 
-    def _batch(self, prompts) -> list[list[int]]:
+    def _batch(self, prompts, chat: bool) -> list[list[int]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            return [self.encode(prompts)]
-        return [self.encode(p) for p in prompts]
+            return [self.encode(prompts, chat)]
+        return [self.encode(p, chat) for p in prompts]
 
 
 def generate(prompts, max_tokens: int = 128, target: str | Path | None = None,

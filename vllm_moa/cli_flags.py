@@ -58,3 +58,17 @@ def drafter_weights_option() -> Any:
     return typer.Option("auto", help="The drafter's weights in CPU inference: auto (int8 where PyTorch's x86 int8 "
                                      "kernels exist, else bf16 on CPUs that multiply it natively, else fp32) | fp32 | "
                                      "bf16 | int8. Outputs never change; drafts (acceptance) barely.")
+
+
+def lookup_option() -> Any:
+    """--lookup/--no-lookup, for every command that drafts with a model on this machine
+    (decoding.retrieval.lookup_options)."""
+    return typer.Option(True, help="Merge lookup (n-gram matches in the prompt and the text so far) into a model "
+                                   "drafter's drafts (ignored for 'ngram' and 'none').")
+
+
+def chat_option() -> Any:
+    """--chat/--raw, for every command that takes prompt text (vllm_moa.chat.encode_prompt)."""
+    return typer.Option(True, "--chat/--raw", help="Wrap each prompt in the target's chat template (one user turn, "
+                                                   "the assistant's turn opened) when its tokenizer has one; --raw "
+                                                   "sends the text as it is.")

@@ -76,7 +76,7 @@ def test_sampling_is_reproducible_with_a_seed(world):
     greedy = plain_greedy_generate(world["target"], prompt, 24).token_ids
     with _client(world, world["drafters"]["moa-tli0"]) as client:
         runs = [client.generate(prompt, 24, sampling, seed=seed).token_ids for seed in (1, 1, 2)]
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] != runs[2]  # the seed, not a fixed one, decides the samples
     assert all(len(r) == 24 and all(0 <= t < world["target"].vocab_size for t in r) for r in runs)
     assert any(r != greedy for r in runs)  # temperature 1 on a random model: not the greedy path
 

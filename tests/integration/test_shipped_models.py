@@ -48,7 +48,7 @@ def test_shipped_drafters_load_and_refuse_other_targets(target, name):
 
 @pytest.fixture(scope="module")
 def heldout(target):
-    """20 held-out stdlib prompts (token ids, the last 64) and the target's greedy continuations."""
+    """The 16 held-out stdlib prompts (token ids, the last 64) and the target's greedy continuations."""
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
     texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:20]
     prompts = [tokenizer(t)["input_ids"][-64:] for t in texts]
@@ -58,7 +58,7 @@ def heldout(target):
 @pytest.mark.parametrize("shape", [DraftSpec.chain(5), DraftSpec.tree(depth=5, top_k=4, budget=16)], ids=["chain", "tree"])
 @pytest.mark.parametrize("name", sorted(DRAFTERS) + ["ngram"])
 def test_greedy_exactness_on_shipped_models(target, heldout, name, shape):
-    """Every shipped drafter, chain and tree, batch 1 and 4, 20 held-out prompts: token ids equal
+    """Every shipped drafter, chain and tree, batch 1 and 4, 16 held-out prompts: token ids equal
     the target's own greedy decoding."""
     prompts, greedy = heldout
     drafter = name if name == "ngram" else load_drafter(SHIPPED / name, target).eval()
@@ -69,8 +69,16 @@ def test_greedy_exactness_on_shipped_models(target, heldout, name, shape):
             outputs += engine.generate(prompts[i : i + batch], 32)
         assert [o.token_ids for o in outputs] == greedy, (name, shape.describe(), batch)
     lengths = summarize(outputs, 1.0, shape.depth)["acceptance_length"]
-    if name != "ngram":
-        assert lengths > 1.5, lengths  # a trained drafter, not a random one
+    floor = FLOORS[name][0 if shape.is_chain else 1]
+    assert lengths >= floor, f"{name} {shape.describe()}: acceptance length {lengths:.3f} < floor {floor}"
+
+
+# Acceptance floors, (chain, tree), about 7% below what the shipped drafters measure on these 16
+# prompts (eagle 2.59 / 3.28, independent 2.34 / 2.94, moa-tli0 2.78 / 3.44, moa-tli1 2.65 / 3.30,
+# ngram 1.54 / 1.63): greedy decoding is deterministic, a few tokens flipped by another CPU's
+# rounding move it by hundredths; a tree grown from its worst children reads near the chain's.
+FLOORS = {"eagle": (2.4, 3.05), "independent": (2.15, 2.7), "moa-tli0": (2.55, 3.2), "moa-tli1": (2.45, 3.05),
+          "ngram": (1.4, 1.5)}
 
 
 @pytest.mark.parametrize("lookup", ["--lookup", "--no-lookup"])

@@ -22,6 +22,7 @@ rejection sampling, so it is left as drafted (no merge; the retrieval-alone rule
     lookup_options(...)  the entry points' one `lookup` option (on by default) -> Retrieval | None
     continuations(...)   the lookup
     merge_branches(...)  continuations into a tree
+    lookup_found / lookup_alone / lookup_merged   one round's lookup, for any drafter (the client's too)
     HybridSession        a model drafter's session + lookup, as one DraftSession
 """
 
@@ -124,6 +125,32 @@ def merge_branches(tree: DraftTree, branches: Sequence[Sequence[int]], max_new: 
     return DraftTree(torch.tensor(tokens, device=tree.tokens.device), parents, depths, slots)
 
 
+def lookup_found(options: Retrieval, history: Sequence[int], pending: int, spec: DraftSpec) -> list[list[int]]:
+    """The round's continuations of history + [pending]: of a few candidates, the `branches`
+    longest (in a run, the most recent match is the shortest one; stable: recency among equals)."""
+    found = continuations(history, pending, options.max_ngram, options.min_ngram, spec.depth, 4 * options.branches)
+    return sorted(found, key=len, reverse=True)[: options.branches]
+
+
+def lookup_alone(options: Retrieval, pending: int, spec: DraftSpec, found: list[list[int]],
+                 device: torch.device | None = None) -> DraftTree | None:
+    """The lookup trie alone when a continuation is long enough (the model need not draft), else None."""
+    if not found or len(found[0]) < (options.alone_at or spec.depth):
+        return None
+    return merge_branches(DraftTree.single(pending, device), found, spec.max_nodes)
+
+
+def lookup_merged(options: Retrieval, tree: DraftTree, found: list[list[int]], spec: DraftSpec,
+                  max_new: int | None = None) -> DraftTree | None:
+    """The model's tree with the continuations merged in (at most `extra_nodes`, and `max_new`, new
+    nodes), or None when there is nothing to merge or the tree is a sampled chain (its q is kept
+    for rejection sampling)."""
+    if not found or tree.probs is not None or (max_new is not None and max_new < 1):
+        return None
+    extra = options.extra_nodes or spec.depth
+    return merge_branches(tree, found, extra if max_new is None else min(extra, max_new))
+
+
 class HybridSession:
     """A model drafter's session (decoding/drafters.ModelSession) with lookup merged into its
     trees. Counts its rounds by source in `rounds`: "model", "merged", "retrieval"."""
@@ -151,26 +178,20 @@ class HybridSession:
         return alone or self._merge(self.model.propose(pending, spec, sampling, generator), found, spec)
 
     def _lookup(self, pending: int, spec: DraftSpec) -> list[list[int]]:
-        options = self.retrieval
-        # the longest of a few candidates: in a run, the most recent match is the shortest one
-        found = continuations(self.history, pending, options.max_ngram, options.min_ngram, spec.depth,
-                              4 * options.branches)
-        return sorted(found, key=len, reverse=True)[: options.branches]  # stable: recency among equals
+        return lookup_found(self.retrieval, self.history, pending, spec)
 
     def _alone(self, pending: int, spec: DraftSpec, found: list[list[int]]) -> DraftTree | None:
         """The lookup trie when a continuation is long enough to draft alone (the model skips the round)."""
-        if not found or len(found[0]) < (self.retrieval.alone_at or spec.depth):
-            return None
-        self.model.skip_round()
-        self.rounds["retrieval"] += 1
-        return merge_branches(DraftTree.single(pending, self.model.device), found, spec.max_nodes)
+        tree = lookup_alone(self.retrieval, pending, spec, found, self.model.device)
+        if tree is not None:
+            self.model.skip_round()
+            self.rounds["retrieval"] += 1
+        return tree
 
     def _merge(self, tree: DraftTree, found: list[list[int]], spec: DraftSpec) -> DraftTree:
-        if not found or tree.probs is not None:  # a sampled chain keeps its q for rejection sampling
-            self.rounds["model"] += 1
-            return tree
-        self.rounds["merged"] += 1
-        return merge_branches(tree, found, self.retrieval.extra_nodes or spec.depth)
+        merged = lookup_merged(self.retrieval, tree, found, spec)
+        self.rounds["model" if merged is None else "merged"] += 1
+        return tree if merged is None else merged
 
     def accept(self, tree: DraftTree, path: list[int], verified: TargetOutput) -> None:
         self.model.accept(tree, path, verified)

@@ -43,7 +43,7 @@ def demo_models(drafter: str = "moa-tli0", target: str = "stdlib") -> tuple[Path
 def encode_demo_prompt(tokenizer, prompt: str, target: str) -> list[int]:
     """Token ids of a demo prompt: the instruct target answers through its chat template, the
     stdlib target continues code."""
-    from vllm_moa.training.data import encode_prompt
+    from vllm_moa.chat import encode_prompt
 
     ids = encode_prompt(tokenizer, prompt) if prompt and target == "smollm2" else tokenizer(prompt)["input_ids"]
     if not ids:

@@ -137,7 +137,7 @@ def build_responses(work: Path, recipe: SmolRecipe, target_dir: Path, tokenizer:
     """(train, held-out) on-policy examples: chat-templated prompt + the target's answer."""
     import random
 
-    from vllm_moa.training.data import encode_prompt
+    from vllm_moa.chat import encode_prompt
 
     path = work / "responses.json"
     if path.is_file():

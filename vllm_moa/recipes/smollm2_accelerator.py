@@ -120,8 +120,8 @@ def build_prompts(work: Path, hf_model, tokenizer, requests: int, batch_size: in
     data already holds every standard-library task, and another wording of a held-out task would
     leak it into training. A prompt equal to a held-out one (case, spaces, punctuation folded) is
     dropped, and so is one equal to a prompt of the `earlier` training sequences (no repeats)."""
+    from vllm_moa.chat import encode_prompt
     from vllm_moa.recipes.prompts import clean_user_turns, dedupe, fold, user_turn_prefix
-    from vllm_moa.training.data import encode_prompt
 
     path = work / "prompts.json"
     if path.is_file():

@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_moa.chat import encode_prompt
 from vllm_moa.training.data import (
     DatasetError,
     DraftExample,
     corpus_examples,
-    encode_prompt,
     read_prompts,
     read_text_files,
     regenerate_responses,

@@ -22,7 +22,7 @@ from typing import Optional
 
 import typer
 
-from vllm_moa.cli_flags import drafter_weights_option, model_values, with_model_flags
+from vllm_moa.cli_flags import chat_option, drafter_weights_option, lookup_option, model_values, with_model_flags
 from vllm_moa.serving.protocol import ServerLimits
 
 
@@ -153,6 +153,8 @@ def client(
     json_output: bool = typer.Option(False, "--json", help="Print the result and its metrics as JSON."),
     threads: int = typer.Option(0, help="torch CPU threads (0 = torch's default; 1 next to a local server)."),
     drafter_weights: str = drafter_weights_option(),
+    lookup: bool = lookup_option(),
+    chat: bool = chat_option(),
 ) -> None:
     """Generate with a local drafter against a verification server; drafts on alone offline.
 
@@ -161,6 +163,7 @@ def client(
     from transformers import AutoTokenizer
 
     from vllm_moa import registry as kinds
+    from vllm_moa.chat import encode_prompt
     from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch
     from vllm_moa.decoding.sampling import SamplingParams
     from vllm_moa.models import load_named
@@ -187,10 +190,11 @@ def client(
             if target is None:
                 local_target.name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
         model = load_named(None if drafter == "api" else drafter, local_target, drafter_weights)
-        prompt_ids = tokenizer(prompt)["input_ids"]
+        prompt_ids = encode_prompt(tokenizer, prompt, chat)
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,
-                                      timeout=timeout, give_up_after_s=give_up_after, tokenizer=tokenizer)
+                                      timeout=timeout, give_up_after_s=give_up_after, tokenizer=tokenizer,
+                                      lookup=lookup)
         view = Transcript()
         printed = 0
         offline_noted = False
@@ -226,7 +230,7 @@ def client(
         "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
         "acceptance_length": round(result.acceptance_length, 3), "disconnects": result.disconnects,
         "offline_tokens": result.offline_tokens, "offline_confirmed": result.offline_confirmed,
-        "rollbacks": result.rollbacks, "reopens": result.reopens,
+        "rollbacks": result.rollbacks, "reopens": result.reopens, "lookup_rounds": result.lookup_rounds,
     }
     if json_output:
         typer.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, **summary}, indent=2))

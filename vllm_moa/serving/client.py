@@ -35,6 +35,7 @@ import tenacity
 import torch
 
 from vllm_moa import registry as kinds
+from vllm_moa.decoding.retrieval import Retrieval, lookup_alone, lookup_found, lookup_merged, lookup_options
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.registry import DrafterArg
@@ -89,6 +90,9 @@ class RemoteDraftingClient:
               layers); needed by MoA and EAGLE. Its other layers never run here.
     num_draft: fixed draft depth, or None to adapt it to round-trip time and acceptance
     tree_top_k: draft EAGLE-2 trees this wide (depth adaptive) instead of chains
+    lookup:   n-gram matches in the prompt and the verified text merged into a model drafter's
+              drafts, or drafted alone when long enough (decoding/retrieval.py), as in the
+              runtime: on by default for model drafters; False, or a dict / Retrieval of options
     """
 
     def __init__(self, url: str, drafter: DrafterArg, target: TargetModel | None = None, *,
@@ -96,7 +100,7 @@ class RemoteDraftingClient:
                  tree_top_k: int | None = None, max_depth: int = 16, timeout: float = 10.0,
                  connect_timeout: float = 3.0, backoff_s: float = 0.05, backoff_max_s: float = 2.0,
                  max_unverified: int = 256, offline_chunk: int = 4, give_up_after_s: float = 60.0,
-                 seed: int = 0, tokenizer=None) -> None:
+                 seed: int = 0, tokenizer=None, lookup: bool | dict | Retrieval = True) -> None:
         if encoding not in ("fp16", "int8"):
             raise ValueError(f"encoding must be fp16 or int8, got {encoding!r}")
         if num_draft is not None and num_draft < 1:
@@ -106,6 +110,7 @@ class RemoteDraftingClient:
         drafter = kinds.as_drafter(drafter)
         kind = kinds.kind_of(drafter)
         self.drafts = kind.runtime_session is not None  # a kind that drafts at all (not "none")
+        self.retrieval = lookup_options(lookup, model_free=kind.model_free)
         if self.drafts:
             open_local(drafter, target)  # refuses a drafter that cannot run here, before any call
         self.drafter, self.target, self.tokenizer = drafter, target, tokenizer
@@ -283,11 +288,10 @@ class RemoteDraftingClient:
             if depth == 0:
                 run.local.begin()
                 tree = DraftTree.single(pending)
-            elif self.tree_top_k:
-                spec = DraftSpec.tree(depth, self.tree_top_k, budget=min(max_nodes, depth * self.tree_top_k))
-                tree = propose(run.local, pending, spec)
             else:
-                tree = propose(run.local, pending, DraftSpec.chain(depth))
+                spec = DraftSpec.tree(depth, self.tree_top_k, budget=min(room, depth * self.tree_top_k)) \
+                    if self.tree_top_k else DraftSpec.chain(depth)
+                tree = self._draft(run, pending, spec, room)
             draft_s = time.perf_counter() - t0
             run.result.draft_seconds += draft_s
         body = {"seq": run.seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)}}
@@ -312,6 +316,22 @@ class RemoteDraftingClient:
         wall = time.perf_counter() - t0
         run.offline, run.failures, run.stale = False, 0, 0
         yield from self._accept(run, tree, response, fresh=not tail, wall=wall, draft_s=draft_s)
+
+    def _draft(self, run: _Run, pending: int, spec: DraftSpec, room: int) -> DraftTree:
+        """A fresh round's draft: the local drafter's, with lookup over the prompt and the verified
+        tokens merged in (at most `room` drafted nodes), or lookup's alone when it found enough."""
+        if self.retrieval is None:
+            return propose(run.local, pending, spec)
+        found = lookup_found(self.retrieval, run.prompt + run.out[: run.nv - 1], pending, spec)
+        alone = lookup_alone(self.retrieval, pending, spec, found)
+        if alone is not None:
+            run.local.begin()  # the drafter runs over the accepted tokens when their rows arrive
+            run.result.lookup_rounds["retrieval"] += 1
+            return alone
+        tree = propose(run.local, pending, spec)
+        merged = lookup_merged(self.retrieval, tree, found, spec, max_new=room - (len(tree.tokens) - 1))
+        run.result.lookup_rounds["model" if merged is None else "merged"] += 1
+        return tree if merged is None else merged
 
     def _accept(self, run: _Run, tree: DraftTree, response: VerifyResponse, fresh: bool, wall: float,
                 draft_s: float | None) -> Iterator[StreamEvent]:

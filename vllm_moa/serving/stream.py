@@ -82,6 +82,7 @@ class ClientResult:
     offline_confirmed: int = 0  # of those, confirmed by the target
     rollbacks: int = 0
     rolled_back_tokens: int = 0
+    lookup_rounds: dict[str, int] = field(default_factory=lambda: {"model": 0, "merged": 0, "retrieval": 0})
 
     @property
     def verified_mask(self) -> list[bool]:

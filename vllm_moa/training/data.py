@@ -120,18 +120,6 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """The target's chat template when the tokenizer has one, else the raw text."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(prompt)["input_ids"])
-
-
 @torch.no_grad()
 def regenerate_responses(
     hf_model: torch.nn.Module,

@@ -109,6 +109,8 @@ def test_a_new_kind_is_one_module_and_its_registration(target, greedy, monkeypat
     assert kinds.kind_of(RepeatDrafter()) is kind and "repeat" in registry.names()
     result = SpeculativeEngine(target, RepeatDrafter(), DraftSpec.chain(3)).generate([[7] * 12], NEW_TOKENS)[0]
     assert result.token_ids == plain_greedy_generate(target, [7] * 12, NEW_TOKENS).token_ids
-    assert result.target_forwards > 0
+    # its session drafted every round; the target's output ends in a run of one token, where every
+    # repeat is accepted: 24 tokens in 8 target forwards, not 24
+    assert result.drafted_per_forward == [3] * 8 and result.accepted_per_forward == [1, 1] + [4] * 6
     with pytest.raises(ValueError, match="a repeat drafter does not draft on a client"):
         RemoteDraftingClient("http://127.0.0.1:9", RepeatDrafter(), target)
