@@ -59,15 +59,16 @@ RTTS = (10, 50, 200)
 BANDWIDTHS = (1, 10, 100)
 SLOW_STEP_MS = 30.0  # the emulated larger target's forward time
 SLOW_CLIENTS = ("moa", "eagle", "independent", "api")
-CLIENTS = {  # name -> (drafter, sync encoding, tree width: EAGLE-2-style trees, or None: chains)
-    "moa": ("moa-tli0", "fp16", 4),
-    "moa-int8": ("moa-tli0", "int8", 4),
-    "moa-chain": ("moa-tli0", "fp16", None),
-    "eagle": ("eagle", "fp16", 4),
-    "independent": ("independent", "fp16", 4),
-    "api": (None, "fp16", None),
+CLIENTS = {  # name -> (drafter, sync encoding, tree width: EAGLE-2-style trees, or None: chains, lookup)
+    "moa": ("moa-tli0", "fp16", 4, False),
+    "moa-int8": ("moa-tli0", "int8", 4, False),
+    "moa-chain": ("moa-tli0", "fp16", None, False),
+    "moa-chain+lookup": ("moa-tli0", "fp16", None, True),  # the client's default
+    "eagle": ("eagle", "fp16", 4, False),
+    "independent": ("independent", "fp16", 4, False),
+    "api": (None, "fp16", None, False),
 }
-VLLM_CLIENTS = ("moa", "moa-chain", "eagle", "api")
+VLLM_CLIENTS = ("moa", "moa-chain", "moa-chain+lookup", "eagle", "api")
 VLLM_RTTS = (10, 50)
 VLLM_ENGINE = {"max_model_len": 1024, "block_size": 32}  # CPU_ATTN: blocks of a multiple of 32
 OFFLINE_DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
@@ -127,10 +128,11 @@ def run_latency(sim, target, drafters, prompts, expected, tokens, clients=tuple(
     grid = [(rtt, bw, name, i) for rtt in rtts for bw in bandwidths for name in clients for i in range(len(prompts))]
     for rtt, bw, name, i in tqdm(grid, desc=f"latency grid ({server} target)", unit="run"):
         sim.set_conditions(LinkConditions(rtt_ms=rtt, bandwidth_mbit=bw))
-        kind, encoding, width = CLIENTS[name]
+        kind, encoding, width, lookup = CLIENTS[name]
         drafter = None if kind is None else drafters[kind]
         before = sim.snapshot()
-        with RemoteDraftingClient(sim.url, drafter, target, encoding=encoding, tree_top_k=width, timeout=30) as client:
+        with RemoteDraftingClient(sim.url, drafter, target, encoding=encoding, tree_top_k=width, timeout=30,
+                                  lookup=lookup) as client:
             result = client.generate(prompts[i], tokens)
         after = sim.snapshot()
         if result.token_ids != expected[i]:
