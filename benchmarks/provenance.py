@@ -24,10 +24,18 @@ def git(*args: str, root: Path = ROOT) -> str | None:
         return None
 
 
+OUTPUTS = "benchmarks/results/"  # what benchmarks write: it does not change what runs
+
+
 def uncommitted_changes(root: Path = ROOT) -> bool | None:
-    """Whether the tree differs from its commit, untracked files included; None: unknown."""
-    status = git("status", "--porcelain", "--untracked-files=normal", root=root)
-    return None if status is None else bool(status)
+    """Whether the tree differs from its commit, untracked files included, other than the results
+    files benchmarks write (one benchmark's output must not mark the next one's run dirty);
+    None: unknown."""
+    status = git("status", "--porcelain", "--untracked-files=all", root=root)
+    if status is None:
+        return None
+    paths = [line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if line.strip()]
+    return any(not path.startswith(OUTPUTS) for path in paths)
 
 
 def cpu_model() -> str:

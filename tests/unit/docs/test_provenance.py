@@ -1,4 +1,5 @@
-"""Provenance of results files (benchmarks/provenance.py): untracked files make a tree dirty, a git
+"""Provenance of results files (benchmarks/provenance.py): untracked files make a tree dirty (results
+files that benchmarks write do not), a git
 that cannot answer is recorded as unknown (never as clean), and every committed results file
 records its commit whole, a commit this repository has."""
 
@@ -17,6 +18,9 @@ def test_untracked_files_count_and_a_failing_git_is_unknown(tmp_path):
     repo.mkdir()
     for args in (["init", "-q"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"]):
         subprocess.run(["git", *args], cwd=repo, check=True)
+    assert uncommitted_changes(repo) is False
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "benchmarks" / "results" / "run.json").write_text("{}")  # a benchmark's output: still clean
     assert uncommitted_changes(repo) is False
     (repo / "new.txt").write_text("untracked")
     assert uncommitted_changes(repo) is True
