@@ -117,12 +117,15 @@ def main(argv=None) -> dict:
                 wall = time.perf_counter() - started
                 assert response.accepted == chain[1:] and response.next_token == continuation[n + args.k]
                 engine_s, rpc_s = sum(step.take()), sum(rpc.take())
-                rounds.append({"prompt_tokens": len(prompt), "context": seq, "partial_block": seq % ENGINE["block_size"],
+                block = ENGINE["block_size"]
+                rounds.append({"prompt_tokens": len(prompt), "context": seq, "partial_block": seq % block,
+                               "crosses_block": (seq % block) + args.k + 1 > block,
                                "round_ms": 1e3 * wall, "engine_steps_ms": 1e3 * engine_s,
                                "capture_rpc_ms": 1e3 * rpc_s, "rest_ms": 1e3 * (wall - engine_s - rpc_s),
                                })
                 seq, n = response.seq, n + args.k + 1
             backend.close(session)
+        counters = dict(backend.counters)  # recomputes: rounds asked again without the prefix cache
     finally:
         backend.shutdown()
 
@@ -133,6 +136,9 @@ def main(argv=None) -> dict:
     summary = {"plain_ms_per_token": med(plain, "ms_per_token"), "plain_step_ms": step_ms,
                **{f"round_{k}": med(rounds, k) for k in ("round_ms", "engine_steps_ms", "capture_rpc_ms", "rest_ms")},
                "round_over_plain_step": round(med(rounds, "round_ms") / step_ms, 2),
+               "round_ms_within_a_block": med([r for r in rounds if not r["crosses_block"]], "round_ms"),
+               "round_ms_crossing_a_block": med([r for r in rounds if r["crosses_block"]], "round_ms"),
+               "rounds_crossing_a_block": sum(r["crosses_block"] for r in rounds), "backend_counters": counters,
                "tokens_per_round": args.k + 1}
     result = {"what": "a verification round's time on the vLLM client-server backend, by phase", "summary": summary,
               "rounds": rounds, "plain": plain,
