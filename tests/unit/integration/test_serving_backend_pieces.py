@@ -1,6 +1,7 @@
 """The vLLM client-server backend's pieces that need no engine: the worker's capture of a
 request's positions (chunked, partly served from the prefix cache), its transport as bytes, a
-tree's root-to-leaf paths, and the per-node view that acceptance and the sync read. The engine
+tree's root-to-leaf paths, the nodes a round verifies (those ending in the root's KV block), and
+the per-node view that acceptance and the sync read. The engine
 itself: tests/integration/vllm/test_vllm_serving_backend.py."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.integration.serve.verify_service import Capture, pack, unpack
-from vllm_moa.integration.serve.vllm_backend import _root_to_leaf_paths, _RoundView
+from vllm_moa.integration.serve.vllm_backend import _root_to_leaf_paths, _RoundView, _subtree, _within_block
 
 
 def _fill(capture: Capture, positions, layers=2, heads=1, dim=3, width=4, vocab=5):
@@ -68,3 +69,19 @@ def test_round_view_takes_each_node_from_any_path_that_computed_it():
     assert len(out.keys) == 2 and out.keys[0].shape == (1, 1, 3, 3)  # L x [1, H_kv, n, d]
     assert out.keys[0][0, 0, :, 0].tolist() == [5.0, 6.0, 7.0]  # node 4: position 7 of the second prompt
     assert out.hidden_states[-1].shape == (1, 3, 4) and out.hidden_states[0] is None
+
+
+def test_a_round_verifies_the_nodes_that_end_in_the_roots_kv_block():
+    """Root at position 29 of 32-token blocks: depths 0-2 end at positions 29-31 (kept), depth 3
+    and below would fill the block and reach the next (cut); the kept nodes form a tree whose
+    paths map back to the client's node indices."""
+    #        0 -> 1 -> 2 -> 3 -> 4      (a chain)
+    #          \-> 5 -> 6               (a branch at depth 1)
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14, 15, 16]), [-1, 0, 1, 2, 3, 0, 5], [0, 1, 2, 3, 4, 1, 2],
+                     [-1] * 7)
+    assert _within_block(tree, seq=29, block_size=32) == [0, 1, 2, 5, 6]
+    assert _within_block(tree, seq=64, block_size=32) == list(range(7))  # a fresh block holds them all
+    assert _within_block(tree, seq=31, block_size=32) == [0]  # the root alone: the block's last position
+    sub = _subtree(tree, [0, 1, 2, 5, 6])
+    assert sub.tokens.tolist() == [10, 11, 12, 15, 16] and sub.parents == [-1, 0, 1, 0, 3]
+    assert sub.depths == [0, 1, 2, 1, 2] and _root_to_leaf_paths(sub) == [[0, 1, 2], [0, 3, 4]]

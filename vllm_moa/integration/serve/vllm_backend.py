@@ -9,9 +9,11 @@ positions and the per-layer K/V and final hidden states there; acceptance and th
 payload are the transformers backend's own (`SessionBackend`), so both servers answer a client
 alike. A tree is verified as its root-to-leaf paths, one request each, in the same steps.
 
-vLLM keeps nothing per session: a cut or a rewind is a different prompt. A round whose draft
-positions were served from the prefix cache (the same draft verified again after a lost answer)
-is run again without reading the cache (`counters["recomputes"]`).
+vLLM keeps nothing per session: a cut or a rewind is a different prompt. A round verifies only
+the nodes that end in the KV block of its root (`_within_block`: a prompt that filled that block
+could find it in the prefix cache, leaving its positions uncomputed; the nodes cut count as
+rejected, `counters["nodes_cut_at_block_end"]`). A round whose draft positions were still served
+from the prefix cache is run again without reading the cache (`counters["recomputes"]`).
 
 One thread owns the engine (`EngineDriver`): it adds requests, steps and hands outputs to the
 callers' queues; if the engine dies, every call in flight and after gets a 503 and
@@ -215,6 +217,7 @@ class VLLMBackend(SessionBackend):
         self.driver = EngineDriver(args)
         # a round's prompt plus the one token vLLM generates must fit in max_model_len
         self._context = self.driver.engine.vllm_config.model_config.max_model_len - 1
+        self._block_size = self.driver.engine.vllm_config.cache_config.block_size
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
@@ -251,6 +254,11 @@ class VLLMBackend(SessionBackend):
         return first, self._sync(session, view.target_output(nodes), list(range(len(nodes))), request.sync_from)
 
     def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        keep = _within_block(tree, seq, self._block_size)
+        if len(keep) < tree.size:  # verify the nodes that end in the root's KV block; the rest count as rejected
+            self._count("nodes_cut_at_block_end", tree.size - len(keep))
+            path, nxt, sync = self._verify_round(session, seq, _subtree(tree, keep))
+            return [keep[i] for i in path], nxt, sync
         tokens = tree.tokens.tolist()
         paths = _root_to_leaf_paths(tree)
         prompts = [session.tokens[:seq] + [tokens[i] for i in path] for path in paths]
@@ -332,6 +340,24 @@ class VLLMBackend(SessionBackend):
 
     def close(self, session: BackendSession) -> None:
         super().close(session)  # vLLM holds nothing per session but prefix-cached blocks
+
+
+def _within_block(tree: DraftTree, seq: int, block_size: int) -> list[int]:
+    """The nodes whose positions end in the KV block of the root's position `seq` (all ancestors
+    kept). A round's prompt that fills that block could find it in the prefix cache (another
+    request computed the same tokens: a repeated prompt, an earlier client of the same text), and
+    positions served from the cache are not computed, so nothing of them is captured and the round
+    would be run again over its whole prompt; vLLM never serves a prompt's last token from the
+    cache, so a prompt ending in the root's block computes every position from the root on."""
+    limit = block_size - 1 - seq % block_size
+    return [i for i in range(tree.size) if tree.depths[i] <= limit]
+
+
+def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (sorted, closed under ancestors) as a tree of their own."""
+    new = {old: i for i, old in enumerate(keep)}
+    return DraftTree(tree.tokens[keep], [-1] + [new[tree.parents[old]] for old in keep[1:]],
+                     [tree.depths[old] for old in keep], [-1] * len(keep))
 
 
 def _root_to_leaf_paths(tree: DraftTree) -> list[list[int]]:
