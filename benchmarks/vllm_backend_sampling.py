@@ -9,7 +9,9 @@ distribution (transformers, fp32): 1,600 rounds gave p = 0.007. Here:
   1. the same round, `--rounds` times (default 20,000), counts checkpointed every 1,000 rounds to
      `--cache` (a rerun resumes); chi-square over the test's buckets, and a binomial test of how
      often the chain's first draft is accepted against the target's probability of it, with the
-     smallest shift in that probability the run could detect (power 80%, two-sided 5%);
+     smallest shift in that probability the run could detect (power 80%, two-sided 5%), beside the
+     same share among the rounds' own uniform draws (seed i's first torch.rand) and among
+     `--seed-check` seeds: the acceptance is exact when the first equals it to the count;
   2. the test procedure (top_buckets + chi_square_p, as in tests/sampling_stats.py) on samples
      drawn exactly from the target's distribution, `--replications` times at the CI's 1,600 draws
      and at `--rounds` draws: the share of p-values under 0.001 / 0.01 / 0.05, which a test of
@@ -48,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=20000)
     parser.add_argument("--replications", type=int, default=2000, help="exact-sample runs of the test procedure")
     parser.add_argument("--workers", type=int, default=8, help="sessions in flight together (share vLLM's steps)")
+    parser.add_argument("--seed-check", type=int, default=400000,
+                        help="seeds whose first uniform draw is compared with p (the rounds' own seeds are 0..rounds-1)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="checkpoint directory (default: $VLLM_MOA_CACHE/bench/vllm_backend_sampling)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_backend_sampling.json")
@@ -109,16 +113,33 @@ def sample_rounds(target_dir: Path, prompt, root, draft, rounds: int, workers: i
     return tokens
 
 
-def acceptance_test(tokens: list[int], first_draft: int, p: float) -> dict:
-    """How often the first draft was emitted (accepted, or re-drawn as the target's own token: its
-    emission probability is p either way) against p: z, two-sided p-value, and the smallest shift
-    in p detectable with 80% power at 5% (two-sided)."""
+def first_uniforms(seeds: range) -> torch.Tensor:
+    """The first torch.rand() of a CPU generator seeded with each seed: the u that a round's
+    acceptance of its first draft compares with p (the session's generator, serving/backend.py)."""
+    out = torch.empty(len(seeds))
+    for i, seed in enumerate(seeds):
+        out[i] = torch.rand((), generator=torch.Generator().manual_seed(seed))
+    return out
+
+
+def acceptance_test(tokens: list[int], first_draft: int, p: float, seed_check: int) -> dict:
+    """How often the first draft was emitted against p (a point-mass draft is emitted exactly when
+    it is accepted, u <= p(x); on rejection it leaves the residual): z, two-sided p-value, and the
+    smallest shift in p detectable with 80% power at 5% (two-sided). Beside it, the same share
+    among the rounds' own u (seeds 0..n-1) and among `seed_check` seeds: equal counts mean the
+    acceptance rule is exact and any deviation is the seeds' draws."""
     n, k = len(tokens), tokens.count(first_draft)
     se = math.sqrt(p * (1 - p) / n)
     z = (k / n - p) / se
+    own = int((first_uniforms(range(n)) <= p).sum())
+    wide = float((first_uniforms(range(seed_check)) <= p).float().mean())
+    wide_z = (wide - p) / math.sqrt(p * (1 - p) / seed_check)
     return {"rounds": n, "emitted": k, "share": round(k / n, 5), "target_probability": round(p, 5),
             "z": round(z, 3), "p_value": math.erfc(abs(z) / math.sqrt(2)),
-            "detectable_shift_80pct_power": round((1.96 + 0.8416) * se, 5)}
+            "detectable_shift_80pct_power": round((1.96 + 0.8416) * se, 5),
+            "rounds_whose_first_uniform_is_at_most_p": own, "emitted_equals_that_count": own == k,
+            f"share_of_first_uniforms_at_most_p_over_{seed_check}_seeds": round(wide, 5),
+            "z_over_those_seeds": round(wide_z, 3)}
 
 
 def test_size(probs: torch.Tensor, draws: int, replications: int, seed: int = 0) -> dict:
@@ -172,7 +193,7 @@ def main(argv=None) -> dict:
         "chi_square_p": chi_square_p(observed, expected),
         "chi_square_p_first_1600": chi_square_p(*first_ci),
         "buckets": {"observed": observed, "expected": [round(e, 2) for e in expected]},
-        "first_draft_acceptance": acceptance_test(tokens, draft[0], float(probs[draft[0]])),
+        "first_draft_acceptance": acceptance_test(tokens, draft[0], float(probs[draft[0]]), args.seed_check),
         "test_size_on_exact_samples": [test_size(probs, CI_ROUNDS, args.replications),
                                        test_size(probs, args.rounds, max(200, args.replications // 10), seed=1)],
         "config": {"rounds": args.rounds, "workers": args.workers, "target": str(target_dir.relative_to(ROOT)),
