@@ -34,7 +34,8 @@ def uncommitted_changes(root: Path = ROOT) -> bool | None:
     status = git("status", "--porcelain", "--untracked-files=all", root=root)
     if status is None:
         return None
-    paths = [line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if line.strip()]
+    # "XY path" (git() strips the first line's leading blank: split, do not slice)
+    paths = [line.split(maxsplit=1)[1].split(" -> ")[-1].strip('"') for line in status.splitlines() if line.strip()]
     return any(not path.startswith(OUTPUTS) for path in paths)
 
 

@@ -22,6 +22,11 @@ def test_untracked_files_count_and_a_failing_git_is_unknown(tmp_path):
     (repo / "benchmarks" / "results").mkdir(parents=True)
     (repo / "benchmarks" / "results" / "run.json").write_text("{}")  # a benchmark's output: still clean
     assert uncommitted_changes(repo) is False
+    git_ = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git_, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git_, "commit", "-q", "-m", "results"], cwd=repo, check=True)
+    (repo / "benchmarks" / "results" / "run.json").write_text('{"again": 1}')  # " M ..." listed first
+    assert uncommitted_changes(repo) is False
     (repo / "new.txt").write_text("untracked")
     assert uncommitted_changes(repo) is True
     outside = tmp_path / "not-a-repo"
