@@ -24,7 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENT = ROOT / "docs" / "results.md"
 DOCUMENTS = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md")
 RESULTS_FILE = re.compile(r"([\w-]+)\.(?:json|\{json, ?png\})")
-ALTERNATIVES = re.compile(r"([\w-]*)\{([\w-]+(?:, ?[\w-]+)+)\}([\w-]*)(?=\.(?:json|\{json))")  # a_{b,c}.json
+ALTERNATIVES = re.compile(r"([\w-]*)\{([\w-]*(?:, ?[\w-]*)+)\}([\w-]*)(?=\.(?:json|\{json))")  # a{,_b}.json
 UNCHECKED = re.compile(r"<!--\s*unchecked:\s*(.*?)-->", re.S)
 NOT_RESULTS = [
     re.compile(r"`[^`]*`"),                          # commands, paths, code
@@ -36,7 +36,7 @@ NOT_RESULTS = [
     re.compile(r"\b(?:[Ii]ssues?|PR|#)\s*\d+(?:\s*(?:and|,)\s*\d+)*"),
     re.compile(r"[\w./-]*[\w-]+\.(?:json|png|py|md|\{json, ?png\})"),
 ]
-NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?(?![\w])")
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?(?=x?(?![\w]))")  # 1.83x reads 1.83
 SCALES = (1.0, 100.0, 1e3, 1e-3, 1e-6, 1 / 2**10, 1 / 2**20)  # as is, %, ms, thousands, millions, KiB, MiB
 
 
@@ -93,7 +93,8 @@ def printed_numbers(block: str) -> list[str]:
 
 
 def named_files(block: str) -> list[str]:
-    """The results files a block names, `a_{b,c}.json` read as a_b.json and a_c.json."""
+    """The results files a block names, `a_{b,c}.json` read as a_b.json and a_c.json (`a{,_b}.json`:
+    a.json and a_b.json)."""
     expanded = ALTERNATIVES.sub(lambda m: " ".join(f"{m[1]}{alt.strip()}{m[3]}.json" for alt in m[2].split(","))
                                 + " ", block)
     return RESULTS_FILE.findall(expanded)
