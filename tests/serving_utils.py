@@ -1,10 +1,15 @@
 """Helpers for the client-server tests: tiny drafters of every kind, a real uvicorn server on
-127.0.0.1 in a background thread, and a backend whose target forwards can be held at a gate."""
+127.0.0.1 in a background thread, `vllm-moa serve` as a subprocess, and a backend whose target
+forwards can be held at a gate."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import torch
 
@@ -69,3 +74,35 @@ def running_server(target, drafters: dict, limits: ServerLimits | None = None, t
         yield url, app, backend
     finally:
         server.stop()
+
+
+CLI = [sys.executable, "-m", "vllm_moa.cli"]
+
+
+@contextlib.contextmanager
+def cli_server(*serve_args: str, env: dict, start_timeout: float = 300.0):
+    """Yields the URL of `vllm-moa serve --port <free> --log-level warning --threads 1 *serve_args`
+    in a subprocess, once /v1/health answers 200 (its output is the failure message if it never
+    does); terminated afterwards."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([*CLI, "serve", "--port", str(port), "--log-level", "warning", "--threads", "1",
+                               *serve_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

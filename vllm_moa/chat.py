@@ -10,14 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
     """Token ids of `prompt`: the target's chat template around it when `chat` and the tokenizer has
     one, else the raw text."""
-    if chat and has_chat_template(tokenizer):
+    if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )

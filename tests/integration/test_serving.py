@@ -3,11 +3,10 @@ greedy output for every drafter, chains and trees; streaming; sampling; sessions
 vanish under the client; bearer-token auth; limits and malformed input answered with 4xx."""
 
 import json
-import socket
 
 import httpx
 import pytest
-from serving_utils import DRAFTER_KINDS, running_server, tiny_drafters
+from serving_utils import CLI, DRAFTER_KINDS, cli_server, running_server, tiny_drafters
 from tiny_models import make_target
 
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -198,33 +197,16 @@ def test_cli_serve_and_client_end_to_end_on_the_demo_models(tmp_path):
     shipped MoA drafter: the client's text equals plain greedy decoding on the demo target."""
     import os
     import subprocess
-    import sys
-    import time
 
     from transformers import AutoTokenizer
 
     from vllm_moa.shipped import SHIPPED
     from vllm_moa.target import TargetModel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "VLLM_MOA_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "vllm_moa.cli"]
-    server = subprocess.Popen([*cli, "serve", "--port", str(port), "--log-level", "warning", "--threads", "1"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
-            time.sleep(0.2)
+    with cli_server(env=env, start_timeout=120) as url:
         prompt = "def read_config(path):"
-        run = subprocess.run([*cli, "client", "--url", f"http://127.0.0.1:{port}", "--prompt", prompt,
+        run = subprocess.run([*CLI, "client", "--url", url, "--prompt", prompt,
                               "--max-new-tokens", "40", "--json", "--threads", "1"],
                              env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
@@ -235,10 +217,7 @@ def test_cli_serve_and_client_end_to_end_on_the_demo_models(tmp_path):
                                          eos_token_id=tokenizer.eos_token_id).token_ids
         assert out["token_ids"] == expected and out["verified"] == len(expected)
         assert out["verify_calls"] < len(expected)  # the trained drafter gets more than one token per call
-        refused = subprocess.run([*cli, "client", "--url", f"http://127.0.0.1:{port}", "--prompt", prompt,
+        refused = subprocess.run([*CLI, "client", "--url", url, "--prompt", prompt,
                                   "--max-new-tokens", "4"], env={**env, "VLLM_MOA_TOKEN": ""},
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and "401" in refused.stderr
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

@@ -216,53 +216,31 @@ def test_cli_client_speaks_chat_to_a_smollm2_server(folder, prompt_ids, transfor
     answer is transformers' greedy answer to that chat prompt, not one `<|im_end|>`; `--raw` sends
     the text as it is."""
     import json
-    import socket
     import subprocess
-    import sys
-    import time
 
-    import httpx
+    from serving_utils import CLI, cli_server
 
     from vllm_moa.decoding.chain import plain_greedy_generate
     from vllm_moa.shipped import SHIPPED_SMOLLM2
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_MOA_TOKEN": ""}
-    cli = [sys.executable, "-m", "vllm_moa.cli"]
     drafter = str(SHIPPED_SMOLLM2 / "moa-tli0")
-    server = subprocess.Popen([*cli, "serve", "--port", str(port), "--log-level", "warning", "--threads", "1",
-                               "--target", str(folder), "--drafter", f"moa-tli0={drafter}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def client(*flags: str) -> dict:
-        run = subprocess.run([*cli, "client", "--url", f"http://127.0.0.1:{port}", "--target", str(folder),
-                              "--drafter", drafter, "--prompt", MESSAGES[0]["content"], "--json", "--threads", "1",
-                              "--max-new-tokens", str(NEW_TOKENS), *flags],
-                             env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr
-        return json.loads(run.stdout)
+    with cli_server("--target", str(folder), "--drafter", f"moa-tli0={drafter}", env=env) as url:
+        def client(*flags: str) -> dict:
+            run = subprocess.run([*CLI, "client", "--url", url, "--target", str(folder), "--drafter", drafter,
+                                  "--prompt", MESSAGES[0]["content"], "--json", "--threads", "1",
+                                  "--max-new-tokens", str(NEW_TOKENS), *flags],
+                                 env=env, capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr
+            return json.loads(run.stdout)
 
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
-            time.sleep(0.5)
         chat = client()
         assert chat["token_ids"] == transformers_greedy and chat["verified"] == NEW_TOKENS
         assert chat["verify_calls"] < NEW_TOKENS
         raw = client("--raw", "--no-lookup")
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        expected = plain_greedy_generate(TargetModel.from_pretrained(folder), tokenizer(MESSAGES[0]["content"])["input_ids"],
-                                         NEW_TOKENS, eos_token_id=tokenizer.eos_token_id).token_ids
-        assert raw["token_ids"] == expected != chat["token_ids"]
-        assert raw["lookup_rounds"] == {"model": 0, "merged": 0, "retrieval": 0}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    expected = plain_greedy_generate(TargetModel.from_pretrained(folder), tokenizer(MESSAGES[0]["content"])["input_ids"],
+                                     NEW_TOKENS, eos_token_id=tokenizer.eos_token_id).token_ids
+    assert raw["token_ids"] == expected != chat["token_ids"]
+    assert raw["lookup_rounds"] == {"model": 0, "merged": 0, "retrieval": 0}

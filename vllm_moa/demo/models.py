@@ -45,7 +45,7 @@ def encode_demo_prompt(tokenizer, prompt: str, target: str) -> list[int]:
     stdlib target continues code."""
     from vllm_moa.chat import encode_prompt
 
-    ids = encode_prompt(tokenizer, prompt) if prompt and target == "smollm2" else tokenizer(prompt)["input_ids"]
+    ids = encode_prompt(tokenizer, prompt, chat=bool(prompt) and target == "smollm2")
     if not ids:
         raise ValueError("prompt is empty after tokenisation")
     return ids
