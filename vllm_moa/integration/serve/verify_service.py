@@ -41,6 +41,7 @@ from vllm_moa.integration.shell.patches import VllmPatch
 from vllm_moa.kernels.paged import gather_slots
 
 VERIFY_ARG = "moa_verify"
+ROLLBACK_ARG = "moa_rollback_to"  # a live session's chunk: keep the first n tokens (session_scheduler.py)
 MAX_CAPTURES = 4096
 
 

@@ -1,32 +1,34 @@
 """`vllm-moa serve --backend vllm`: the client-server target on vLLM's engine.
 
-A verification round is one vLLM request: prompt = the session's verified tokens + the round's
-root + the client's draft, one token generated (ignored). Prefix caching serves the verified
-prefix, so a round computes its draft and the partial block before it; rounds of all sessions
-(and plain generations) are batched by vLLM's scheduler step by step. The worker hook
-(verify_service.py) returns the target's argmax (and logits, when sampling) at the draft's
-positions and the per-layer K/V and final hidden states there; acceptance and the drafter's sync
-payload are the transformers backend's own (`SessionBackend`), so both servers answer a client
-alike. A tree is verified as its root-to-leaf paths, one request each, in the same steps.
+A live session (the default for chains, `live_sessions`) keeps one resumable vLLM request
+between rounds (streaming input): a round appends its root and draft as the request's next chunk,
+after vLLM's scheduler cut the request back to the session's verified tokens
+(session_scheduler.py), so a round computes its own tokens and nothing else. Live requests hold
+engine seats and KV blocks, so they are bounded (live_sessions.py): a round that finds no free
+seat, a tree, and a round vLLM served partly from the prefix cache run as new requests.
 
-vLLM keeps nothing per session: a cut or a rewind is a different prompt. A round verifies only
-the nodes that end in the KV block of its root (`_within_block`: a prompt that filled that block
-could find it in the prefix cache, leaving its positions uncomputed; the nodes cut count as
-rejected, `counters["nodes_cut_at_block_end"]`). A round whose draft positions were still served
-from the prefix cache is run again without reading the cache (`counters["recomputes"]`).
+As a new request, a round's prompt is the session's verified tokens + the round's root + the
+client's draft, generating one token (ignored). Prefix caching serves the verified prefix, so a
+round computes its draft and the partial block before it; rounds of all sessions (and plain
+generations) are batched by vLLM's scheduler step by step. A tree is verified as its
+root-to-leaf paths, one request each, in the same steps. Such a round verifies only the nodes
+that end in the KV block of its root (`_within_block`: a prompt that filled that block could find
+it in the prefix cache, leaving its positions uncomputed; the nodes cut count as rejected,
+`counters["nodes_cut_at_block_end"]`); the same holds for a live request's first chunk. A round
+whose draft positions were still served from the prefix cache is run again without reading the
+cache (`counters["recomputes"]`).
 
-One thread owns the engine (`EngineDriver`): it adds requests, steps and hands outputs to the
-callers' queues; if the engine dies, every call in flight and after gets a 503 and
-`/v1/health` says so. Tensor parallelism is refused (each rank would hold a share of the KV heads).
+Either way the worker hook (verify_service.py) returns the target's argmax (and logits, when
+sampling) at the draft's positions and the per-layer K/V and final hidden states there;
+acceptance and the drafter's sync payload are the transformers backend's own (`SessionBackend`),
+so both servers answer a client alike. The engine is owned by one thread (engine_driver.py); if
+it dies, every call in flight and after gets a 503 and `/v1/health` says so. Tensor parallelism is
+refused (each rank would hold a share of the KV heads).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,9 @@ import torch
 from torch import Tensor
 
 from vllm_moa.decoding.tree import DraftTree
-from vllm_moa.integration.serve.verify_service import VERIFY_ARG, unpack
+from vllm_moa.integration.serve.engine_driver import EngineDriver, EngineStopped, _Waiter
+from vllm_moa.integration.serve.live_sessions import LiveSessions
+from vllm_moa.integration.serve.verify_service import ROLLBACK_ARG, VERIFY_ARG, unpack
 from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
@@ -43,162 +47,17 @@ from vllm_moa.serving.protocol import GenerateRequest, OpenRequest, SyncPayload
 from vllm_moa.target import TargetOutput
 
 WORKER_EXTENSION = "vllm_moa.integration.serve.verify_service.VerifyWorkerExtension"
-ROUND_TIMEOUT_S = 600.0  # a round (or a generation's next token) that takes longer: 503
-
-
-class EngineStopped(BackendError):
-    status = 503
-
-
-class _Waiter:
-    """One request in flight: the driver puts ("tokens", ids, finished), ("capture", dict) or
-    ("error", message, status) on its queue."""
-
-    def __init__(self, verify: bool) -> None:
-        self.key = uuid.uuid4().hex
-        self.verify = verify
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-
-    def get(self, driver: EngineDriver) -> tuple:
-        """The next item; EngineStopped as soon as the engine is found dead (checked each second)."""
-        deadline = time.monotonic() + ROUND_TIMEOUT_S
-        while True:
-            try:
-                item = self.queue.get(timeout=1.0)
-                break
-            except queue.Empty:
-                problem = driver.problem()
-                if problem is not None:
-                    raise EngineStopped(f"the vLLM engine stopped: {problem}") from None
-                if time.monotonic() > deadline:
-                    raise EngineStopped(f"the vLLM engine gave no answer in {ROUND_TIMEOUT_S:.0f} s") from None
-        if item[0] == "error":
-            raise (EngineStopped if item[2] == 503 else BackendError)(item[1])
-        return item
-
-
-class EngineDriver:
-    """vLLM's LLMEngine, owned by one thread."""
-
-    def __init__(self, engine_args: Any) -> None:
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        self.engine = LLMEngine.from_engine_args(engine_args)
-        try:
-            if not all(self.engine.collective_rpc("moa_verify_install")):
-                raise RuntimeError("the vLLM workers did not install the verification hook")
-        except BaseException:
-            self.engine.engine_core.shutdown()  # no engine process outlives a failed start
-            raise
-        self.error: str | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: dict[str, _Waiter] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vllm-moa-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, waiter: _Waiter, prompt: list[int], params: Any) -> _Waiter:
-        if self.problem() is not None:
-            raise EngineStopped(f"the vLLM engine stopped: {self.error}")
-        self._inbox.put(("add", waiter, prompt, params))
-        return waiter
-
-    def problem(self) -> str | None:
-        """None while the engine runs; else what stopped it (also noticed while idle: vLLM's
-        client knows when its engine-core process has died)."""
-        if self.error is None:
-            ensure_alive = getattr(self.engine.engine_core, "ensure_alive", None)  # multiprocess clients
-            if ensure_alive is not None:
-                try:
-                    ensure_alive()
-                except Exception as err:  # EngineDeadError
-                    self.error = f"{type(err).__name__}: {err}"
-        return self.error
-
-    def abort(self, waiter: _Waiter) -> None:
-        self._inbox.put(("abort", waiter))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(("wake",))
-        self._thread.join(timeout=30)
-        self.error = self.error or "the backend was shut down"
-        self._fail_all()
-        self.engine.engine_core.shutdown()
-
-    def _fail_all(self) -> None:
-        """Answer every request in flight or queued with a 503 (the engine is gone or stopping)."""
-        for waiter in list(self._waiting.values()):
-            waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
-        self._waiting.clear()
-        while not self._inbox.empty():
-            item = self._inbox.get()
-            if item[0] == "add":
-                item[1].queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
-
-    # -- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as err:  # the engine is gone: fail everything, now and later
-            self.error = self.error or f"{type(err).__name__}: {err}"
-            self._fail_all()
-
-    def _drain(self, block: bool) -> None:
-        from vllm.inputs import TokensPrompt
-
-        while True:
-            try:
-                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            if item[0] == "add":
-                _, waiter, prompt, params = item
-                try:
-                    self.engine.add_request(waiter.key, TokensPrompt(prompt_token_ids=prompt), params)
-                except Exception as err:
-                    if self.problem() is None:  # vLLM refused this request (VLLMValidationError, ...)
-                        waiter.queue.put(("error", f"vLLM refused the request: {err}", 400))
-                        continue
-                    waiter.queue.put(("error", f"the vLLM engine stopped: {self.error}", 503))
-                    raise
-                self._waiting[waiter.key] = waiter
-            elif item[0] == "abort" and self._waiting.pop(item[1].key, None) is not None:
-                self.engine.abort_request([item[1].key])
-
-    def _step(self) -> None:
-        finished = []
-        for out in self.engine.step():
-            waiter = self._waiting.get(out.request_id)
-            if waiter is None:
-                continue
-            if waiter.verify:
-                if out.finished:
-                    finished.append(self._waiting.pop(out.request_id))
-                continue
-            waiter.queue.put(("tokens", list(out.outputs[0].token_ids), out.finished))
-            if out.finished:
-                del self._waiting[out.request_id]
-        if finished:
-            captures = self.engine.collective_rpc("moa_verify_take", args=([w.key for w in finished],))[0]
-            for waiter in finished:
-                capture = captures.get(waiter.key)
-                if capture is None or "error" in capture:
-                    why = capture["error"] if capture else "it kept no capture of this round"
-                    waiter.queue.put(("error", f"the vLLM worker could not read this round: {why}", 503))
-                else:
-                    waiter.queue.put(("capture", capture))
+SESSION_SCHEDULER = "vllm_moa.integration.serve.session_scheduler.SessionScheduler"
 
 
 class VLLMBackend(SessionBackend):
     name = "vllm"
 
     def __init__(self, target_dir: str | Path, drafters: dict[str, Drafter] | None = None,
-                 target_name: str | None = None, **engine: Any) -> None:
+                 target_name: str | None = None, live_sessions: int | None = None, **engine: Any) -> None:
+        """`live_sessions`: how many sessions keep a resumable vLLM request between rounds (their
+        chains then compute only the round's tokens); None: half of the engine's max_num_seqs;
+        0: none (every round is a new request)."""
         from transformers import AutoConfig
         from vllm.engine.arg_utils import EngineArgs
 
@@ -212,20 +71,35 @@ class VLLMBackend(SessionBackend):
         # the drafters are checked against the target before any engine process starts
         super().__init__(signature, hf_config.vocab_size, None, drafters)
         engine = {"dtype": "float32", "enable_prefix_caching": True, **engine}
+        if live_sessions is not None and live_sessions < 0:
+            raise BackendError(f"live_sessions must be >= 0, got {live_sessions}")
+        if live_sessions != 0:  # the scheduler that cuts a live request back (session_scheduler.py)
+            if engine.get("scheduler_cls") not in (None, SESSION_SCHEDULER) or engine.get("async_scheduling"):
+                raise BackendError("live sessions run on vllm-moa's scheduler (scheduler_cls, without async "
+                                   "scheduling); serve with live_sessions=0 to choose another")
+            engine |= {"scheduler_cls": SESSION_SCHEDULER, "async_scheduling": False}
         args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
                           **engine)
         self.driver = EngineDriver(args)
+        config = self.driver.engine.vllm_config
         # a round's prompt plus the one token vLLM generates must fit in max_model_len
-        self._context = self.driver.engine.vllm_config.model_config.max_model_len - 1
-        self._block_size = self.driver.engine.vllm_config.cache_config.block_size
+        self._context = config.model_config.max_model_len - 1
+        self._block_size = config.cache_config.block_size
+        self.live: LiveSessions | None = None
+        if live_sessions != 0:  # each holds a seat and its KV blocks: at most half of the KV cache
+            seats = config.scheduler_config.max_num_seqs
+            count = max(1, seats // 2) if live_sessions is None else min(live_sessions, seats - 1)
+            kv_tokens = (config.cache_config.num_gpu_blocks or 0) * self._block_size
+            self.live = LiveSessions(self.driver.end, count, kv_tokens // 2 or count * self._context)
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path, drafter_dirs: dict[str, str | Path] | None = None,
-                        target_name: str | None = None, **engine: Any) -> VLLMBackend:
+                        target_name: str | None = None, live_sessions: int | None = None,
+                        **engine: Any) -> VLLMBackend:
         from vllm_moa.models import load_drafter
 
         drafters = {name: load_drafter(path).eval() for name, path in (drafter_dirs or {}).items()}
-        return cls(target_dir, drafters, target_name, **engine)
+        return cls(target_dir, drafters, target_name, live_sessions, **engine)
 
     def healthy(self) -> str | None:
         problem = self.driver.problem()
@@ -254,10 +128,59 @@ class VLLMBackend(SessionBackend):
         return first, self._sync(session, view.target_output(nodes), list(range(len(nodes))), request.sync_from)
 
     def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        if self.live is not None and all(p == i - 1 for i, p in enumerate(tree.parents)):
+            done = self._live_round(session, seq, tree)
+            if done is not None:
+                return done
+        return self._request_round(session, seq, tree)
+
+    def _live_round(self, session: BackendSession, seq: int,
+                    tree: DraftTree) -> tuple[list[int], int, SyncPayload] | None:
+        """A chain verified as the next chunk of the session's resumable request, cut back to the
+        verified tokens first (session_scheduler.py); None when every live seat is busy or vLLM
+        served a position from the prefix cache (the round then runs as a new request)."""
+        live = self.live.claim(session, seq + tree.size)
+        if live is None:
+            self._count("live_rounds_without_a_seat")
+            return None
+        try:
+            if not live.started:  # a first chunk reads the prefix cache: its draft ends in the root's block
+                keep = _within_block(tree, seq, self._block_size)
+                if len(keep) < tree.size:  # a chain's prefix: the node indices stay
+                    self._count("nodes_cut_at_block_end", tree.size - len(keep))
+                    tree = _subtree(tree, keep)
+            base = min(live.valid, seq)  # the request's tokens that stay; session.tokens[base:seq] come again
+            waiter = _Waiter(verify=True, external=live.external, first=not live.started)
+            spec = {"key": waiter.key, "rows_from": seq, "logits_from": seq, "logits": session.sampling is not None}
+            extra = {VERIFY_ARG: spec, **({ROLLBACK_ARG: base} if live.started else {})}
+            self.driver.submit(waiter, session.tokens[base:seq] + tree.tokens.tolist(), self._params(extra, False))
+            capture = waiter.get(self.driver)[1]
+        except BaseException:
+            self.live.end(live)  # its request is in an unknown state: a new one next round
+            raise
+        view = _RoundView(session.sampling is not None)
+        view.add(0, capture, lambda p, pos: pos - seq)
+        nodes = list(range(tree.size))
+        if not all(node in view.rows and node in view.heads for node in nodes):
+            self.live.release(live, seq)
+            self._count("live_rounds_served_from_cache")
+            return None
+        logits = view.logits(nodes) if session.sampling is not None else None  # [N, V]
+        path, nxt = self._accept(session, tree, logits, [view.argmax(i) for i in nodes])
+        if waiter.request_ended:  # vLLM ended the request with this chunk
+            self.live.forget(live)
+        else:
+            self.live.release(live, seq + len(path))
+        self._count("live_rounds")
+        return path, nxt, self._sync(session, view.target_output(path), list(range(len(path))), seq)
+
+    def _request_round(self, session: BackendSession, seq: int,
+                       tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
+        """The tree verified as new requests, one per root-to-leaf path."""
         keep = _within_block(tree, seq, self._block_size)
         if len(keep) < tree.size:  # verify the nodes that end in the root's KV block; the rest count as rejected
             self._count("nodes_cut_at_block_end", tree.size - len(keep))
-            path, nxt, sync = self._verify_round(session, seq, _subtree(tree, keep))
+            path, nxt, sync = self._request_round(session, seq, _subtree(tree, keep))
             return [keep[i] for i in path], nxt, sync
         tokens = tree.tokens.tolist()
         paths = _root_to_leaf_paths(tree)
@@ -273,16 +196,10 @@ class VLLMBackend(SessionBackend):
         """One vLLM request per prompt, all in flight together; prompt p's position pos is node
         node_of(p, pos) (a tree's paths share nodes). Nodes that no capture holds (their
         positions were served from the prefix cache) are asked again without the cache."""
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         def submit(prompt: list[int], skip_cache: bool) -> _Waiter:
             waiter = _Waiter(verify=True)
             spec = {"key": waiter.key, "rows_from": rows_from, "logits_from": logits_from, "logits": want_logits}
-            params = VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                        output_kind=RequestOutputKind.FINAL_ONLY, extra_args={VERIFY_ARG: spec},
-                                        skip_reading_prefix_cache=skip_cache or None)
-            return self.driver.submit(waiter, prompt, params)
+            return self.driver.submit(waiter, prompt, self._params({VERIFY_ARG: spec}, skip_cache))
 
         view = _RoundView(want_logits)
         waiters = [submit(prompt, False) for prompt in prompts]
@@ -308,6 +225,16 @@ class VLLMBackend(SessionBackend):
             if not (wanted <= set(view.rows) and heads <= set(view.heads)):
                 raise EngineStopped("vLLM did not compute the draft's positions even without the prefix cache")
         return view
+
+    @staticmethod
+    def _params(extra_args: dict, skip_cache: bool) -> Any:
+        """A verification request's (or chunk's) sampling parameters: one token, ignored."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                  output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args,
+                                  skip_reading_prefix_cache=skip_cache or None)
 
     # -- plain generation -----------------------------------------------------------------------
     def generate(self, request: GenerateRequest) -> Iterator[int]:
@@ -339,7 +266,9 @@ class VLLMBackend(SessionBackend):
                 self.driver.abort(waiter)
 
     def close(self, session: BackendSession) -> None:
-        super().close(session)  # vLLM holds nothing per session but prefix-cached blocks
+        super().close(session)  # after a round in flight
+        if self.live is not None:
+            self.live.end(session.live)  # its live request, if any: vLLM then holds only prefix-cached blocks
 
 
 def _within_block(tree: DraftTree, seq: int, block_size: int) -> list[int]:
