@@ -185,6 +185,11 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", "GPUModelRunner.sample_tokens",
         "(self, grammar_output)", series=VERIFY_SERIES,
     ),
+    # ... and its live sessions' scheduler (session_scheduler.py: a subclass given as scheduler_cls)
+    "scheduler_update_request_as_session": PatchedSymbol(
+        "vllm.v1.core.sched.scheduler", "Scheduler._update_request_as_session",
+        "Scheduler._update_request_as_session", "(self, session, update)", series=VERIFY_SERIES,
+    ),
     "cpu_attention_forward": PatchedSymbol(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward", "CPUAttentionBackendImpl.forward",
         "(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, "

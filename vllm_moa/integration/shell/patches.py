@@ -37,6 +37,11 @@ cpu_sampler.py and the serve wing's verify_service.py declare the others, listed
   the engines `vllm-moa serve --backend vllm` starts, inert for requests it does not flag):
     RunnerVerifyTapPatch      GPUModelRunner.sample_tokens      flagged requests' prompt positions:
                                                                 argmax / logits, K/V, final hidden
+  and, not a patch but an override (integration/serve/session_scheduler.py, vLLM's scheduler_cls in
+  those engines; only chunks that ask for it are touched):
+    SessionScheduler          Scheduler._update_request_as_session
+                                                                a live session's request cut back to
+                                                                its verified tokens (KV blocks too)
 
 Why this set: in vLLM 0.26 a method that is not EAGLE-like falls back to the V1 model runner by
 itself, and that runner drives a draft model (its own KV cache in the target's block tables, one
