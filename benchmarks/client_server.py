@@ -92,7 +92,8 @@ def start_server(port: int, min_forward_ms: float = 0.0, backend: str = "transfo
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("VLLM_MOA_TOKEN", None)
     command = [sys.executable, "-m", "vllm_moa.cli", "serve", "--port", str(port), "--threads", "1",
-               "--log-level", "warning", "--max-sessions-per-client", "256"]
+               "--log-level", "warning", "--max-sessions-per-client", "256",
+               "--max-generations", "64", "--max-generations-per-client", "64"]  # all users come from one client
     if target is not None:
         command += ["--target", str(target)]
     for name, path in (drafters or {}).items():

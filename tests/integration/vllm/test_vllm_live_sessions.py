@@ -191,3 +191,19 @@ def test_with_fewer_seats_than_sessions_rounds_stay_exact_and_nothing_is_left_be
         backend.live = saved
     grew = {k: backend.counters[k] - counters.get(k, 0) for k in ("live_rounds", "live_rounds_without_a_seat")}
     assert grew["live_rounds"] > 0 and grew["live_rounds_without_a_seat"] > 0, grew
+
+
+def test_an_open_over_a_prompt_in_the_prefix_cache_runs_once(world):
+    """A MoA client's open wants the sync rows of the whole prompt: it does not read the prefix
+    cache (which holds the prompt after a first open), so it is never run a second time."""
+    backend, reference = world["backend"], world["reference"]
+    prompt = prompts()[6]  # 96 tokens: full blocks the cache can serve
+    first, _ = _open(world, backend, prompt)
+    backend.close(first)
+    recomputes = backend.counters["recomputes"]
+    again, opened = _open(world, backend, prompt)
+    want = _open(world, reference, prompt)[1]
+    assert backend.counters["recomputes"] == recomputes
+    assert opened.first_token == want.first_token and opened.sync.count == want.sync.count == len(prompt)
+    assert float((decode(opened.sync.rows) - decode(want.sync.rows)).abs().max()) < 1e-3
+    backend.close(again)

@@ -16,7 +16,8 @@ that end in the KV block of its root (`_within_block`: a prompt that filled that
 it in the prefix cache, leaving its positions uncomputed; the nodes cut count as rejected,
 `counters["nodes_cut_at_block_end"]`); the same holds for a live request's first chunk. A round
 whose draft positions were still served from the prefix cache is run again without reading the
-cache (`counters["recomputes"]`).
+cache (`counters["recomputes"]`); an open whose sync rows start in the prompt's full blocks does
+not read it at all (a system prompt other sessions share would otherwise make it run twice).
 
 Either way the worker hook (verify_service.py) returns the target's argmax (and logits, when
 sampling) at the draft's positions and the per-layer K/V and final hidden states there;
@@ -114,8 +115,10 @@ class VLLMBackend(SessionBackend):
         sync_rows = session.kind.server_sync is not None
         rows_from = request.sync_from if sync_rows else n
         logits_from = n if request.pending is not None else n - 1
+        # rows wanted in a full block, which the prefix cache could serve uncomputed: not read from it
+        read_cache = rows_from >= (n - 1) // self._block_size * self._block_size
         view = self._round([prompt], rows_from, logits_from, session.sampling is not None and request.pending is None,
-                           lambda p, pos: pos)
+                           lambda p, pos: pos, read_cache)
         if request.pending is not None:
             first = request.pending
         elif session.sampling is None:
@@ -192,7 +195,7 @@ class VLLMBackend(SessionBackend):
         return path, nxt, self._sync(session, view.target_output(path), list(range(len(path))), seq)
 
     def _round(self, prompts: list[list[int]], rows_from: int, logits_from: int, want_logits: bool,
-               node_of: Callable[[int, int], int]) -> _RoundView:
+               node_of: Callable[[int, int], int], read_cache: bool = True) -> _RoundView:
         """One vLLM request per prompt, all in flight together; prompt p's position pos is node
         node_of(p, pos) (a tree's paths share nodes). Nodes that no capture holds (their
         positions were served from the prefix cache) are asked again without the cache."""
@@ -202,7 +205,7 @@ class VLLMBackend(SessionBackend):
             return self.driver.submit(waiter, prompt, self._params({VERIFY_ARG: spec}, skip_cache))
 
         view = _RoundView(want_logits)
-        waiters = [submit(prompt, False) for prompt in prompts]
+        waiters = [submit(prompt, not read_cache) for prompt in prompts]
         answered = 0
         try:
             for p, waiter in enumerate(waiters):
