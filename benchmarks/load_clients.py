@@ -173,8 +173,11 @@ def _session_rounds(ctx: Context, kind: str, http, rng: random.Random, p: int, p
             if attempt == 1 and not verdict.get("replayed"):
                 ctx.rec.fail(f"{kind}: the same verify request twice was not replayed")
         got = verdict["accepted"] + [verdict["next_token"]]
-        want = ref[m + 1 : m + 1 + j] + [ref[m + 1 + j]]
-        if got != want or verdict["seq"] != root_seq + j + 1:
+        # greedy: the accepted drafts and the next token are the target's own tokens; a server may
+        # verify fewer of the correct drafts than were sent (the vLLM backend cuts a new-request
+        # round at its root's KV block), never more
+        want = ref[m + 1 : m + 1 + min(j, len(got) - 1)] + [ref[m + min(j, len(got) - 1) + 1]]
+        if got != want or verdict["seq"] != root_seq + len(got):
             ctx.check(kind, f"verdict (seq {root_seq}, {len(tree['tokens'])} nodes)", got, want)
             return sid, []
         out = out[: m + 1] + got
