@@ -24,9 +24,13 @@ class LiveRequest:
     session: Any
     external: str = field(default_factory=lambda: uuid.uuid4().hex)
     valid: int = 0
-    started: bool = False
     busy: bool = False
     ended: bool = False
+
+    @property
+    def started(self) -> bool:
+        """Its first chunk ran (a released request holds at least its prompt)."""
+        return self.valid > 0
 
 
 class LiveSessions:
@@ -54,7 +58,7 @@ class LiveSessions:
 
     def release(self, live: LiveRequest, valid: int) -> None:
         with self._lock:
-            live.valid, live.started, live.busy = valid, True, False
+            live.valid, live.busy = valid, False
 
     def end(self, live: LiveRequest | None) -> None:
         """End a live request (a failed round, a closed session): its seat and blocks are freed."""
@@ -73,11 +77,6 @@ class LiveSessions:
         """(live requests, tokens they hold)."""
         with self._lock:
             return len(self._live), sum(lr.valid for lr in self._live.values())
-
-    def end_all(self) -> None:
-        with self._lock:
-            for live in list(self._live.values()):
-                self._end_locked(live)
 
     def _make_room(self, tokens: int) -> bool:
         idle = [lr for lr in self._live.values() if not lr.busy]
