@@ -352,12 +352,14 @@ def _hostile_client(ctx: Context, kind: str, index: int, token: str, rng: random
     with an error message, never a 5xx), the valid odd ones with correct output."""
     http = ctx.http(token)
     with http:
-        sent = 0
+        sent, checked = 0, 0
         while ctx.running():
             cases, p = _hostile_cases(ctx, rng)
-            # every 12th, the first included, is the odd-but-valid greedy case: checked output each run
+            # the odd-but-valid greedy case until one is answered (a refusal does not count), then every
+            # 12th: checked output each run, even a short one under contention
             by_name = {c[0]: c for c in cases}
-            case, method, path, body, statuses = by_name["temperature-1e-40"] if sent % 12 == 0 else rng.choice(cases)
+            greedy = checked == 0 or sent % 12 == 0
+            case, method, path, body, statuses = by_name["temperature-1e-40"] if greedy else rng.choice(cases)
             sent += 1
             ctx.rec.local.hostile = statuses != (200,)
             try:
@@ -376,6 +378,7 @@ def _hostile_client(ctx: Context, kind: str, index: int, token: str, rng: random
                 ctx.rec.fail(f"hostile {case}: {r.status_code} without an error message: {r.text[:200]}")
             elif case == "temperature-1e-40":
                 ctx.check(kind, "greedy at temperature 1e-40", r.json()["tokens"], ctx.expected(p, 6))
+                checked += 1
                 continue
             ctx.rec.outcome(kind, f"answered-{r.status_code}")
             time.sleep(rng.uniform(0.02, 0.1))
