@@ -4,9 +4,11 @@ round is its next chunk, and vLLM's scheduler cuts the request back to the verif
 
 On vLLM's real engine (in this process, so that the scheduler's counters can be read), the demo
 target: rounds with rejections and client rewinds answer exactly as the transformers backend
-does (path, next token, the MoA sync rows) and as greedy decoding; a cut inside a KV block that
-another request shares recomputes it instead of writing into it; with fewer seats than sessions,
-idle sessions give way and rounds without a seat run as requests, all exact.
+does (path, next token, the MoA sync rows) and as greedy decoding; so do draft trees, each
+verified as one chunk under the tree mask (session_trees.py), whose rows the prefix cache never
+serves to a request of the same tokens; a cut inside a KV block that another request shares
+recomputes it instead of writing into it; with fewer seats than sessions, idle sessions give way
+and rounds without a seat run as requests, all exact.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
@@ -28,7 +31,7 @@ if not engine_available():
 from vllm_moa.decoding.chain import plain_greedy_generate  # noqa: E402
 from vllm_moa.serving.backend import TransformersBackend  # noqa: E402
 from vllm_moa.serving.payload import decode  # noqa: E402
-from vllm_moa.serving.protocol import DraftTreeIn, OpenRequest, VerifyRequest  # noqa: E402
+from vllm_moa.serving.protocol import DraftTreeIn, GenerateRequest, OpenRequest, VerifyRequest  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(300)]
 
@@ -85,6 +88,31 @@ def _chain(greedy, prompt_len, seq, depth, wrong_at, rng):
 def _verify(backend, session, seq, chain):
     return backend.verify(session, VerifyRequest(seq=seq, tree=DraftTreeIn(tokens=chain,
                                                                            parents=list(range(-1, len(chain) - 1)))))
+
+
+def _tree(greedy, prompt_len, seq, rng, width, depth):
+    """A tree rooted at the target's token at seq: each level has `width` children of the level
+    before's path node, the target's own token among them at a random place (at a random level,
+    or none, not at all), so the accepted path is seldom the first in preorder."""
+    right = greedy[seq - prompt_len: seq - prompt_len + depth + 1]
+    tokens, parents, node = [right[0]], [-1], 0
+    missing = rng.choice([None, rng.randrange(1, len(right))]) if len(right) > 1 else None
+    for level in range(1, len(right)):
+        kids = [(right[level] + 1 + rng.randrange(900)) % 1000 for _ in range(width)]
+        good = rng.randrange(width)
+        if level != missing:
+            kids[good] = right[level]
+        first = len(tokens)
+        tokens += kids
+        parents += [node] * width
+        if level == missing:
+            break
+        node = first + good
+    return tokens, parents
+
+
+def _verify_tree(backend, session, seq, tokens, parents):
+    return backend.verify(session, VerifyRequest(seq=seq, tree=DraftTreeIn(tokens=tokens, parents=parents)))
 
 
 def _check(response, greedy, prompt_len, seq):
@@ -207,3 +235,65 @@ def test_an_open_over_a_prompt_in_the_prefix_cache_runs_once(world):
     assert opened.first_token == want.first_token and opened.sync.count == want.sync.count == len(prompt)
     assert float((decode(opened.sync.rows) - decode(want.sync.rows)).abs().max()) < 1e-3
     backend.close(again)
+
+
+def test_tree_rounds_are_one_chunk_each_and_answer_as_the_transformers_backend(world):
+    backend, reference = world["backend"], world["reference"]
+    if backend.driver.tree_chunks_unavailable is not None:
+        pytest.fail(f"this engine verifies trees as requests: {backend.driver.tree_chunks_unavailable}")
+    rng = random.Random(11)
+    prompt = prompts()[2]
+    greedy = plain_greedy_generate(world["target"], prompt, 200).token_ids
+    before, counts = _counters(), dict(backend.counters)
+    session, _ = _open(world, backend, prompt)
+    ref_session, _ = _open(world, reference, prompt)
+    seq = len(prompt)
+    first = _verify(backend, session, seq, greedy[:2])  # a chain starts the session's live request
+    assert first.seq == _verify(reference, ref_session, seq, greedy[:2]).seq
+    seq, rounds, worst, moved = first.seq, 0, 0.0, 0
+    while seq < len(prompt) + 150:
+        if rounds % 5 == 4 and seq - len(prompt) > 2:  # the client rewinds
+            seq -= rng.randrange(1, min(12, seq - len(prompt)))
+        tokens, parents = _tree(greedy, len(prompt), seq, rng, rng.randrange(2, 5), rng.randrange(2, 6))
+        got, want = _verify_tree(backend, session, seq, tokens, parents), _verify_tree(reference, ref_session, seq,
+                                                                                      tokens, parents)
+        assert (got.path, got.next_token, got.seq) == (want.path, want.next_token, want.seq), rounds
+        _check(got, greedy, len(prompt), seq)
+        worst = max(worst, float((decode(got.sync.rows) - decode(want.sync.rows)).abs().max()))
+        moved += any(node != i for i, node in enumerate(got.path))  # a path off the chain's positions
+        seq, rounds = got.seq, rounds + 1
+    backend.close(session)
+    assert backend.counters["live_tree_rounds"] - counts.get("live_tree_rounds", 0) == rounds
+    assert moved > rounds // 3, moved  # most accepted paths were not the first in preorder
+    assert _counters().get("hidden_tree_blocks", 0) > before.get("hidden_tree_blocks", 0)
+    assert worst < 1e-3, worst  # the sync rows from K/V computed at tree positions are the chain's
+
+
+def test_a_tree_chunks_rows_are_never_served_from_the_prefix_cache_as_a_chain(world):
+    """A tree of 33 nodes fills its root's KV block with node rows; a request whose prompt is the same
+    tokens as a chain must compute that block itself and continue as greedy decoding does (from the
+    tree's K/V it does not)."""
+    from vllm_moa.decoding.tree import DraftTree
+    from vllm_moa.integration.moa.tree_verification import preorder_nodes
+    from vllm_moa.integration.serve.session_trees import parents_to_depths
+
+    backend, target = world["backend"], world["target"]
+    prompt = prompts()[5]
+    greedy = plain_greedy_generate(target, prompt, 80).token_ids
+    session, _ = _open(world, backend, prompt)
+    seq = len(prompt)
+    while not 1 <= seq % BLOCK <= 4:  # chain rounds until the root sits early in its block
+        seq = _verify(backend, session, seq, greedy[seq - len(prompt): seq - len(prompt) + 2]).seq
+    hidden = _counters().get("hidden_tree_blocks", 0)
+    # 32 children of the root: a chain would put them at 32 positions, the tree at one
+    tokens, parents = _tree(greedy, len(prompt), seq, random.Random(3), 32, 1)
+    assert seq % BLOCK + len(tokens) > BLOCK  # node rows fill the root's block: it enters the prefix cache
+    got = _verify_tree(backend, session, seq, tokens, parents)
+    _check(got, greedy, len(prompt), seq)
+    assert _counters().get("hidden_tree_blocks", 0) > hidden
+    order = preorder_nodes(DraftTree(torch.tensor(tokens), parents, parents_to_depths(parents), [-1] * len(tokens)))
+    chain = greedy[: seq - len(prompt)]
+    as_chain = prompt + chain + [tokens[i] for i in order]  # the chunk's tokens, as a request would send them
+    want = plain_greedy_generate(target, as_chain, 6).token_ids
+    assert list(backend.generate(GenerateRequest(prompt=as_chain, max_tokens=6))) == want
+    backend.close(session)

@@ -85,3 +85,42 @@ def test_a_round_verifies_the_nodes_that_end_in_the_roots_kv_block():
     sub = _subtree(tree, [0, 1, 2, 5, 6])
     assert sub.tokens.tolist() == [10, 11, 12, 15, 16] and sub.parents == [-1, 0, 1, 0, 3]
     assert sub.depths == [0, 1, 2, 1, 2] and _root_to_leaf_paths(sub) == [[0, 1, 2], [0, 3, 4]]
+
+
+def test_a_tree_chunk_is_planned_only_when_the_step_computes_all_its_rows():
+    from vllm_moa.integration.serve.session_trees import parents_to_depths, tree_in_step
+
+    # root at 40, 5 nodes (positions 40..44); the step computes [computed, computed + scheduled)
+    assert tree_in_step(40, 5, 36, 9) == "whole"  # re-sent tokens 36..39, then the tree
+    assert tree_in_step(40, 5, 40, 5) == "whole"
+    assert tree_in_step(40, 5, 20, 20) == "later"  # the chunk's head only: the tree in the next step
+    assert tree_in_step(40, 5, 36, 8) == "split"  # the last node left for the next step
+    assert tree_in_step(40, 5, 42, 3) == "split"  # the tail of a split chunk
+    assert parents_to_depths([-1, 0, 1, 0, 3, 3]) == [0, 1, 2, 1, 2, 2]
+    for bad in ([0, 0], [-1, 1], [-1, 0, -1]):
+        try:
+            parents_to_depths(bad)
+        except ValueError as err:
+            assert "parents-first" in str(err)
+        else:
+            raise AssertionError(bad)
+
+
+def test_a_live_tree_goes_in_preorder_and_its_path_comes_back_in_the_clients_nodes():
+    from vllm_moa.integration.moa.tree_verification import preorder_nodes
+
+    # root 0; children 1 (best), 2; 1's children 3, 4; 2's child 5; 3's child 6
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14, 15, 16]), [-1, 0, 0, 1, 1, 2, 3], [0, 1, 1, 2, 2, 2, 3],
+                     [-1] * 7)
+    order = preorder_nodes(tree)
+    assert order == [0, 1, 3, 6, 4, 2, 5]  # the drafter's best path first, at a chain's positions
+    work = _subtree(tree, order)
+    assert work.tokens.tolist() == [10, 11, 13, 16, 14, 12, 15]
+    assert work.parents == [-1, 0, 1, 2, 1, 0, 5] and work.depths == [0, 1, 2, 3, 2, 1, 2]
+    path_in_chunk = [0, 1, 4]  # root, 11, 14
+    assert [order[i] for i in path_in_chunk] == [0, 1, 4]
+    assert [int(tree.tokens[order[i]]) for i in [0, 5, 6]] == [10, 12, 15]
+    # a first chunk keeps the preorder's first nodes: closed under ancestors
+    for cut in range(1, 8):
+        kept = set(order[:cut])
+        assert all(tree.parents[n] in kept for n in kept if n)

@@ -92,15 +92,21 @@ def preorder(tree: DraftTree) -> DraftTree:
     order: decoding/tree.py gives siblings in score order). Parents still come first, and the
     first nodes are the drafter's best path: where the scheduler cuts the drafts short, or a step
     verifies them as a chain (chain_only_reason), that path is what remains."""
+    order = preorder_nodes(tree)
+    index = {old: new for new, old in enumerate(order)}
+    return DraftTree(tree.tokens[torch.tensor(order)], [index[tree.parents[i]] if i else -1 for i in order],
+                     [tree.depths[i] for i in order], [tree.feed_slots[i] for i in order])
+
+
+def preorder_nodes(tree: DraftTree) -> list[int]:
+    """The tree's node indices depth first, each node's children in the tree's order."""
     children = tree.children()
     order, stack = [], [0]
     while stack:
         node = stack.pop()
         order.append(node)
         stack.extend(reversed(children[node]))
-    index = {old: new for new, old in enumerate(order)}
-    return DraftTree(tree.tokens[torch.tensor(order)], [index[tree.parents[i]] if i else -1 for i in order],
-                     [tree.depths[i] for i in order], [tree.feed_slots[i] for i in order])
+    return order
 
 
 def pad_tree(tree: DraftTree, budget: int) -> DraftTree:
@@ -304,9 +310,16 @@ def plan_step(drafted: DraftedTrees, spec_tokens: dict[str, list[int]], req_id_t
         if last - first != len(scheduled) + 1:  # not a decode step of root + drafts
             continue
         requests.append(TreeRequest(index, first, int(num_computed[index]), tree))
+    return tree_step(requests, positions, layer_names, layout)
+
+
+def tree_step(requests: list[TreeRequest], positions: Tensor, layer_names: frozenset[str],
+              layout: Any) -> TreeStep | None:
+    """The step verifying `requests`' trees (None when there are none); sets their node rows' RoPE
+    positions in `positions` [N] to prefix + depth (the chain positions kept in the step)."""
     if not requests:
         return None
-    requests.sort(key=lambda r: r.index)
+    requests = sorted(requests, key=lambda r: r.index)
     node_rows = torch.cat([torch.arange(r.first_row + 1, r.first_row + r.tree.size) for r in requests])
     depth_positions = torch.cat([r.prefix + torch.tensor(r.tree.depths[1:]) for r in requests])
     device = positions.device

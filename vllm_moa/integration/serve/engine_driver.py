@@ -71,8 +71,11 @@ class EngineDriver:
 
         self.engine = LLMEngine.from_engine_args(engine_args)
         try:
-            if not all(self.engine.collective_rpc("moa_verify_install")):
+            installed = self.engine.collective_rpc("moa_verify_install")
+            if not installed or not all(isinstance(answer, dict) for answer in installed):
                 raise RuntimeError("the vLLM workers did not install the verification hook")
+            # None, or why a live session's tree cannot be verified in one chunk (session_trees.py)
+            self.tree_chunks_unavailable: str | None = installed[0]["tree_chunks"]
         except BaseException:
             self.engine.engine_core.shutdown()  # no engine process outlives a failed start
             raise

@@ -15,7 +15,9 @@ blocks past the n-th token returned to the pool (their prefix-cache entries stay
 K/V of the tokens they were hashed with). The block holding the cut is the one whose content
 changes: if it was full and entered the prefix cache, its entry is dropped when this request is
 its only holder; if another request shares it, this request lets it go and recomputes its
-tokens from that block's start. A later chunk never reads the prefix cache (vLLM looks it up only
+tokens from that block's start. A chunk that ends in a draft tree (session_trees.py) has the
+blocks holding its nodes hashed with random bytes, so the prefix cache never serves them as a
+chain of the same tokens. A later chunk never reads the prefix cache (vLLM looks it up only
 for a request with nothing computed), so every position of a round is computed, and captured.
 
 Chosen through vLLM's `scheduler_cls` engine argument (the backend sets it; async scheduling is
@@ -26,15 +28,17 @@ which tests/integration/vllm/test_vllm_live_sessions.py exercises on the real en
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_moa.integration.serve.verify_service import ROLLBACK_ARG
+from vllm_moa.integration.serve.chunk_args import ROLLBACK_ARG, tree_spec
 
 # cuts made in this process: "rollbacks", "evicted_cached_blocks" (the cut block's prefix-cache
-# entry dropped), "recomputed_shared_blocks" (the cut block was shared: its tokens recomputed)
+# entry dropped), "recomputed_shared_blocks" (the cut block was shared: its tokens recomputed);
+# "hidden_tree_blocks": blocks of tree chunks given hashes no lookup asks for
 COUNTERS: Counter[str] = Counter()
 
 
@@ -55,6 +59,21 @@ class SessionScheduler(Scheduler):
         if keep is not None:
             self._cut_back(session, update, int(keep))
         super()._update_request_as_session(session, update)
+        tree = tree_spec(params)
+        if tree is not None:
+            self._hide_tree_blocks(session, int(tree["root"]) + 1)
+
+    def _hide_tree_blocks(self, session: Any, first_node: int) -> None:
+        """Give the blocks from the one holding position `first_node` on hashes no lookup asks for
+        (random bytes): their rows are a tree's, computed at tree positions (session_trees.py), and a
+        request with the same tokens as a chain must compute its own. A later block's hash chains
+        from these, so it stays out of reach too; a chain's rows kept past them are lost to the
+        prefix cache, never wrong in it."""
+        start = first_node // self.hash_block_size
+        hidden = len(session.block_hashes) - start
+        if hidden > 0:
+            session.block_hashes[start:] = [os.urandom(len(h)) for h in session.block_hashes[start:]]
+            COUNTERS["hidden_tree_blocks"] += hidden
 
     def _cut_back(self, session: Any, update: Any, keep: int) -> None:
         """Cut the waiting request to its first `keep` tokens, with what the chunk appends after them."""

@@ -5,11 +5,12 @@ A verification round is one vLLM request whose prompt is the session's verified 
 round's root and the client's draft, generating one token; prefix caching makes its cost the new
 tokens. vLLM computes logits at a prompt's last position only, so the request asks for more:
 
-    SamplingParams.extra_args["moa_verify"] = {
+    SamplingParams.extra_args["moa_verify"] = {       # chunk_args.py
         "key": str,           # where its capture is kept (vLLM renames request ids internally)
         "rows_from": int,     # per-layer K/V and the final hidden state of positions rows_from..P-1
         "logits_from": int,   # the target's next-token argmax at positions logits_from..P-1
         "logits": bool,       # ... and the float32 logits there (sampled acceptance)
+        "tree": {...},        # optional: the positions from its root on are a draft tree (session_trees.py)
     }
 
 `RunnerVerifyTapPatch` wraps `GPUModelRunner.sample_tokens` (the CPU runner's too): at its start
@@ -19,6 +20,10 @@ Positions are gathered as they are computed, so chunked prefill and recomputatio
 preemption are covered; positions served from the prefix cache are never computed here, and a
 capture lists the positions it has (the backend asks again without reading the prefix cache for
 what no request of the round computed).
+
+A live session's tree chunk is computed under the tree mask (session_trees.py, planned in the
+runner's `_prepare_inputs`); its capture is read here alike, and says `tree_split` when the
+scheduler split the chunk across steps (its node rows then lack the mask).
 
 The backend reads captures through `VerifyWorkerExtension.moa_verify_take` (vLLM's
 `worker_extension_cls` and `collective_rpc`, public API): each is taken once. Captures are
@@ -36,12 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vllm_moa.integration.serve.chunk_args import verify_spec
+from vllm_moa.integration.serve.session_trees import SessionTrees, tree_chunks_unavailable
 from vllm_moa.integration.shell import compat
 from vllm_moa.integration.shell.patches import VllmPatch
 from vllm_moa.kernels.paged import gather_slots
 
-VERIFY_ARG = "moa_verify"
-ROLLBACK_ARG = "moa_rollback_to"  # a live session's chunk: keep the first n tokens (session_scheduler.py)
 MAX_CAPTURES = 4096
 
 
@@ -58,6 +63,7 @@ class Capture:
     values: dict[int, Tensor] = field(default_factory=dict)
     argmax: dict[int, int] = field(default_factory=dict)
     logits: dict[int, Tensor] = field(default_factory=dict)  # [V]
+    tree_split: bool = False  # a tree chunk split across steps: its node rows lack the tree mask
 
     def result(self) -> dict[str, Any]:
         """What was computed, in position order: `row_positions` with their hidden states [n, E]
@@ -74,6 +80,8 @@ class Capture:
             out["values"] = pack(torch.stack([self.values[p] for p in rows], dim=1))
         if self.want_logits and heads:
             out["logits"] = pack(torch.stack([self.logits[p] for p in heads]))  # [m, V]
+        if self.tree_split:
+            out["tree_split"] = True
         return out
 
 
@@ -101,7 +109,16 @@ class _TargetLayers:
         isas = {getattr(layer, "isa", None) for layer in self.layers}
         if len(backends) != 1:
             raise RuntimeError(f"the target's layers run on several attention backends: {sorted(backends)}")
-        self.layout = compat.kv_layout_for_backend(backends.pop(), isas.pop() if len(isas) == 1 else None)
+        self.backend = backends.pop()
+        self.layout = compat.kv_layout_for_backend(self.backend, isas.pop() if len(isas) == 1 else None)
+
+    @classmethod
+    def of(cls, runner: Any) -> _TargetLayers:
+        """The runner's (read once)."""
+        layers = runner.__dict__.get("_moa_verify_layers")
+        if layers is None:
+            layers = runner._moa_verify_layers = cls(runner)
+        return layers
 
 
 _CAPTURES: OrderedDict[str, Capture] = OrderedDict()
@@ -110,14 +127,16 @@ _FAILED: OrderedDict[str, str] = OrderedDict()  # key -> why its capture failed
 
 def collect(runner: Any) -> None:
     """Gather this step's wanted positions of every flagged request (sample_tokens' start)."""
+    trees: SessionTrees | None = runner.__dict__.get(compat.STEP_PLANNER_ATTR)
+    if trees is not None:
+        trees.finish(runner.positions)  # the forward is done: tree nodes' positions back to the chain's
     state = runner.execute_model_state
     if state is None:
         return
     flagged = []
     for req_id, count in state.scheduler_output.num_scheduled_tokens.items():
         request = runner.requests.get(req_id)
-        params = getattr(request, "sampling_params", None)
-        spec = (params.extra_args or {}).get(VERIFY_ARG) if params is not None else None
+        spec = verify_spec(getattr(request, "sampling_params", None))
         if spec:
             flagged.append((req_id, count, request, spec))
     if not flagged:
@@ -126,10 +145,7 @@ def collect(runner: Any) -> None:
         try:  # a failure fails this round only (its capture says why), never vLLM's engine
             if not isinstance(state.slot_mappings, dict):
                 raise RuntimeError("the step has no per-layer slot mapping (micro-batching is not supported)")
-            layers = runner.__dict__.get("_moa_verify_layers")
-            if layers is None:
-                layers = runner._moa_verify_layers = _TargetLayers(runner)
-            _collect_request(runner, state, layers, req_id, count, request, spec)
+            _collect_request(runner, state, _TargetLayers.of(runner), req_id, count, request, spec)
         except Exception as err:  # noqa: BLE001 - reported to the backend through take()
             _FAILED[str(spec.get("key"))] = f"{type(err).__name__}: {err}"
             while len(_FAILED) > MAX_CAPTURES:
@@ -150,6 +166,9 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str
         capture = _CAPTURES[key] = Capture(prompt_len, rows_from, logits_from, bool(spec.get("logits")))
         while len(_CAPTURES) > MAX_CAPTURES:
             _CAPTURES.popitem(last=False)
+    trees = runner.__dict__.get(compat.STEP_PLANNER_ATTR)
+    if trees is not None and trees.was_split(key):
+        capture.tree_split = True
     if first >= last:
         return
     positions = list(range(first, last))
@@ -195,9 +214,16 @@ def take(keys: list[str]) -> dict[str, dict[str, Any]]:
 class VerifyWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`): called with `collective_rpc`."""
 
-    def moa_verify_install(self) -> bool:
+    def moa_verify_install(self) -> dict[str, Any]:
+        """Install the capture hook, and the tree-chunk hooks where the engine can mask trees:
+        {"tree_chunks": None, or why a live session's tree runs as requests instead}."""
         RunnerVerifyTapPatch.apply()
-        return True
+        runner = self.model_runner  # type: ignore[attr-defined]
+        layers = _TargetLayers.of(runner)
+        why = tree_chunks_unavailable(layers.backend, runner.compilation_config.cudagraph_mode)
+        if why is None:
+            SessionTrees(layers.names, layers.layout).attach(runner, layers.layers, layers.backend)
+        return {"tree_chunks": why}
 
     def moa_verify_take(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         return take(keys)

@@ -1,16 +1,19 @@
 """`vllm-moa serve --backend vllm`: the client-server target on vLLM's engine.
 
-A live session (the default for chains, `live_sessions`) keeps one resumable vLLM request
-between rounds (streaming input): a round appends its root and draft as the request's next chunk,
-after vLLM's scheduler cut the request back to the session's verified tokens
-(session_scheduler.py), so a round computes its own tokens and nothing else. Live requests hold
-engine seats and KV blocks, so they are bounded (live_sessions.py): a round that finds no free
-seat, a tree, and a round vLLM served partly from the prefix cache run as new requests.
+A live session (the default, `live_sessions`) keeps one resumable vLLM request between rounds
+(streaming input): a round appends its root and draft as the request's next chunk, after vLLM's
+scheduler cut the request back to the session's verified tokens (session_scheduler.py), so a
+round computes its own tokens and nothing else. A tree's nodes go in preorder (the drafter's best
+path first) and are computed under the tree mask in the same forward (session_trees.py); the
+accepted path's rows that sit where a chain's would stay valid. Live requests hold engine seats
+and KV blocks, so they are bounded (live_sessions.py): a round that finds no free seat, a round
+vLLM served partly from the prefix cache or a tree it split across steps, and trees on an engine
+that cannot mask them (`EngineDriver.tree_chunks_unavailable`) run as new requests.
 
 As a new request, a round's prompt is the session's verified tokens + the round's root + the
 client's draft, generating one token (ignored). Prefix caching serves the verified prefix, so a
 round computes its draft and the partial block before it; rounds of all sessions (and plain
-generations) are batched by vLLM's scheduler step by step. A tree is verified as its
+generations) are batched by vLLM's scheduler step by step. A tree is then verified as its
 root-to-leaf paths, one request each, in the same steps. Such a round verifies only the nodes
 that end in the KV block of its root (`_within_block`: a prompt that filled that block could find
 it in the prefix cache, leaving its positions uncomputed; the nodes cut count as rejected,
@@ -38,9 +41,11 @@ import torch
 from torch import Tensor
 
 from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.integration.moa.tree_verification import preorder_nodes
+from vllm_moa.integration.serve.chunk_args import ROLLBACK_ARG, TREE_KEY, VERIFY_ARG
 from vllm_moa.integration.serve.engine_driver import EngineDriver, EngineStopped, _Waiter
 from vllm_moa.integration.serve.live_sessions import LiveSessions
-from vllm_moa.integration.serve.verify_service import ROLLBACK_ARG, VERIFY_ARG, unpack
+from vllm_moa.integration.serve.verify_service import unpack
 from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
@@ -131,7 +136,7 @@ class VLLMBackend(SessionBackend):
         return first, self._sync(session, view.target_output(nodes), list(range(len(nodes))), request.sync_from)
 
     def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
-        if self.live is not None and all(p == i - 1 for i, p in enumerate(tree.parents)):
+        if self.live is not None and (_is_chain(tree) or self.driver.tree_chunks_unavailable is None):
             done = self._live_round(session, seq, tree)
             if done is not None:
                 return done
@@ -139,43 +144,50 @@ class VLLMBackend(SessionBackend):
 
     def _live_round(self, session: BackendSession, seq: int,
                     tree: DraftTree) -> tuple[list[int], int, SyncPayload] | None:
-        """A chain verified as the next chunk of the session's resumable request, cut back to the
-        verified tokens first (session_scheduler.py); None when every live seat is busy or vLLM
-        served a position from the prefix cache (the round then runs as a new request)."""
+        """The draft verified as the next chunk of the session's resumable request, cut back to the
+        verified tokens first (session_scheduler.py); a tree's nodes in preorder, under the tree mask
+        (session_trees.py). None when every live seat is busy, vLLM served a position from the
+        prefix cache or split a tree across steps (the round then runs as new requests)."""
         live = self.live.claim(session, seq + tree.size)
         if live is None:
             self._count("live_rounds_without_a_seat")
             return None
+        order = preorder_nodes(tree)  # chunk node i: the client's node order[i], at position seq + i
         try:
             if not live.started:  # a first chunk reads the prefix cache: its draft ends in the root's block
-                keep = _within_block(tree, seq, self._block_size)
-                if len(keep) < tree.size:  # a chain's prefix: the node indices stay
-                    self._count("nodes_cut_at_block_end", tree.size - len(keep))
-                    tree = _subtree(tree, keep)
+                limit = self._block_size - seq % self._block_size
+                if limit < tree.size:  # preorder's first nodes are closed under ancestors
+                    self._count("nodes_cut_at_block_end", tree.size - limit)
+                    order = order[:limit]
+            work = _subtree(tree, order)
             base = min(live.valid, seq)  # the request's tokens that stay; session.tokens[base:seq] come again
             waiter = _Waiter(verify=True, external=live.external, first=not live.started)
             spec = {"key": waiter.key, "rows_from": seq, "logits_from": seq, "logits": session.sampling is not None}
+            if not _is_chain(work):
+                spec[TREE_KEY] = {"root": seq, "parents": work.parents}
             extra = {VERIFY_ARG: spec, **({ROLLBACK_ARG: base} if live.started else {})}
-            self.driver.submit(waiter, session.tokens[base:seq] + tree.tokens.tolist(), self._params(extra, False))
+            self.driver.submit(waiter, session.tokens[base:seq] + work.tokens.tolist(), self._params(extra, False))
             capture = waiter.get(self.driver)[1]
         except BaseException:
             self.live.end(live)  # its request is in an unknown state: a new one next round
             raise
         view = _RoundView(session.sampling is not None)
         view.add(0, capture, lambda p, pos: pos - seq)
-        nodes = list(range(tree.size))
-        if not all(node in view.rows and node in view.heads for node in nodes):
+        nodes = list(range(work.size))
+        if capture.get("tree_split") or not all(node in view.rows and node in view.heads for node in nodes):
             self.live.release(live, seq)
-            self._count("live_rounds_served_from_cache")
+            self._count("live_trees_split" if capture.get("tree_split") else "live_rounds_served_from_cache")
             return None
         logits = view.logits(nodes) if session.sampling is not None else None  # [N, V]
-        path, nxt = self._accept(session, tree, logits, [view.argmax(i) for i in nodes])
+        path, nxt = self._accept(session, work, logits, [view.argmax(i) for i in nodes])
         if waiter.request_ended:  # vLLM ended the request with this chunk
             self.live.forget(live)
-        else:
-            self.live.release(live, seq + len(path))
-        self._count("live_rounds")
-        return path, nxt, self._sync(session, view.target_output(path), list(range(len(path))), seq)
+        else:  # the path's rows where a chain's would be (node i at depth i) stay valid
+            in_place = next((i for i, node in enumerate(path) if node != i), len(path))
+            self.live.release(live, seq + in_place)
+        self._count("live_rounds" if _is_chain(work) else "live_tree_rounds")
+        sync = self._sync(session, view.target_output(path), list(range(len(path))), seq)
+        return [order[node] for node in path], nxt, sync
 
     def _request_round(self, session: BackendSession, seq: int,
                        tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
@@ -285,8 +297,12 @@ def _within_block(tree: DraftTree, seq: int, block_size: int) -> list[int]:
     return [i for i in range(tree.size) if tree.depths[i] <= limit]
 
 
+def _is_chain(tree: DraftTree) -> bool:
+    return all(p == i - 1 for i, p in enumerate(tree.parents))
+
+
 def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The nodes `keep` (sorted, closed under ancestors) as a tree of their own."""
+    """The nodes `keep` (each after its parent, closed under ancestors) as a tree of their own."""
     new = {old: i for i, old in enumerate(keep)}
     return DraftTree(tree.tokens[keep], [-1] + [new[tree.parents[old]] for old in keep[1:]],
                      [tree.depths[old] for old in keep], [-1] * len(keep))

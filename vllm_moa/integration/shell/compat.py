@@ -25,6 +25,10 @@ PROPOSER_CLASS = "vllm_moa.integration.moa.proposer:MoAProposer"
 # set by MoAProposer on the target's attention layers when it drafts trees: the object whose
 # `step_in_flight` (a TreeStep or None) TreeAttentionPatch applies (moa/tree_drafts.py)
 TREE_VERIFIER_ATTR = "moa_tree_verifier"
+# set on the model runner by the client-server backend's worker extension: the object whose
+# `plan_tree_step(runner, scheduler_output)` RunnerPrepareInputsPatch calls besides the drafter's
+# (serve/session_trees.py: a live session's tree verified in one chunk)
+STEP_PLANNER_ATTR = "moa_step_planner"
 
 
 def load_class(name: str) -> Any:

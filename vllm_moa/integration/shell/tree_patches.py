@@ -22,7 +22,9 @@ from vllm_moa.integration.shell.patching import VllmPatch
 
 class RunnerPrepareInputsPatch(VllmPatch):
     """After the V1 runner's `_prepare_inputs` (chain positions, slot mapping), the drafter may
-    plan the step's trees (MoAProposer.plan_tree_step -> moa/tree_drafts.py)."""
+    plan the step's trees (MoAProposer.plan_tree_step -> moa/tree_drafts.py), and so may the
+    client-server backend's planner set on the runner (compat.STEP_PLANNER_ATTR ->
+    serve/session_trees.py)."""
 
     symbol = "runner_prepare_inputs"
 
@@ -33,9 +35,10 @@ class RunnerPrepareInputsPatch(VllmPatch):
         @functools.wraps(original)
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             result = original(self, scheduler_output, num_scheduled_tokens)
-            plan = getattr(getattr(self, "drafter", None), "plan_tree_step", None)
-            if plan is not None:
-                plan(self, scheduler_output)
+            for owner in (getattr(self, "drafter", None), getattr(self, compat.STEP_PLANNER_ATTR, None)):
+                plan = getattr(owner, "plan_tree_step", None)
+                if plan is not None:
+                    plan(self, scheduler_output)
             return result
 
         setattr(owner, attr, _prepare_inputs)
