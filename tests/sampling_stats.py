@@ -102,7 +102,8 @@ def mean_nll(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
         for start in range(0, len(pairs), batch):
             chunk = pairs[start:start + batch]
             ids = torch.tensor([list(p) + list(o) for p, o in chunk])
-            logp = torch.log_softmax(model(ids).logits[:, p_len - 1: -1].float() / temperature, dim=-1)
+            logits = model(ids, logits_to_keep=o_len + 1).logits[:, :-1]  # positions p_len - 1 .. end - 1 only
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
             total -= float(logp.gather(-1, ids[:, p_len:, None]).sum())
             count += len(chunk) * o_len
     return total / max(1, count)
