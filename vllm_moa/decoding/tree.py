@@ -128,6 +128,16 @@ class DraftTree:
                    [i if i < fed else -1 for i in range(n)], probs)
 
 
+def depths_from_parents(parents: list[int]) -> list[int]:
+    """Each node's depth below the root, from a parents-first parent list (parents[0] = -1)."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if (i == 0) != (parent == -1) or parent >= i:
+            raise ValueError(f"not a parents-first tree: node {i}'s parent is {parent}")
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
 # step(tokens [n], depths [n], parent_slots [n], visible [n, F + n]) -> logits [n, V]
 # visible[r]: which of this round's drafted-region entries (F fed so far, then these n) node r sees.
 StepFn = Callable[[Tensor, list[int], list[int], Tensor], Tensor]

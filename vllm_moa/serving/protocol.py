@@ -39,6 +39,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from vllm_moa import registry as kinds
 from vllm_moa.decoding.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+from vllm_moa.decoding.tree import depths_from_parents
 
 PROTOCOL = "moa-serve/1"
 
@@ -172,10 +173,7 @@ class DraftTreeIn(_Request):
 
     def depths(self) -> list[int]:
         """Each node's depth below the root."""
-        depths = [0] * len(self.parents)
-        for i in range(1, len(self.parents)):
-            depths[i] = depths[self.parents[i]] + 1
-        return depths
+        return depths_from_parents(self.parents)
 
 
 class VerifyRequest(_Request):

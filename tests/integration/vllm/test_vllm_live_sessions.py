@@ -274,8 +274,8 @@ def test_a_tree_chunks_rows_are_never_served_from_the_prefix_cache_as_a_chain(wo
     tokens as a chain must compute that block itself and continue as greedy decoding does (from the
     tree's K/V it does not)."""
     from vllm_moa.decoding.tree import DraftTree
+    from vllm_moa.decoding.tree import depths_from_parents as parents_to_depths
     from vllm_moa.integration.moa.tree_verification import preorder_nodes
-    from vllm_moa.integration.serve.session_trees import parents_to_depths
 
     backend, target = world["backend"], world["target"]
     prompt = prompts()[5]

@@ -88,7 +88,8 @@ def test_a_round_verifies_the_nodes_that_end_in_the_roots_kv_block():
 
 
 def test_a_tree_chunk_is_planned_only_when_the_step_computes_all_its_rows():
-    from vllm_moa.integration.serve.session_trees import parents_to_depths, tree_in_step
+    from vllm_moa.decoding.tree import depths_from_parents as parents_to_depths
+    from vllm_moa.integration.serve.session_trees import tree_in_step
 
     # root at 40, 5 nodes (positions 40..44); the step computes [computed, computed + scheduled)
     assert tree_in_step(40, 5, 36, 9) == "whole"  # re-sent tokens 36..39, then the tree

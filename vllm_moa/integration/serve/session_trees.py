@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.decoding.tree import DraftTree, depths_from_parents
 from vllm_moa.integration.moa.tree_verification import TREE_BACKENDS, TreeRequest, TreeStep, tree_step
 from vllm_moa.integration.serve.chunk_args import tree_spec, verify_spec
 from vllm_moa.integration.shell import compat
@@ -63,15 +63,6 @@ def tree_in_step(root: int, nodes: int, computed: int, scheduled: int) -> str:
     if root < computed or root + nodes > computed + scheduled:
         return "split"
     return "whole"
-
-
-def parents_to_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for i, parent in enumerate(parents):
-        if (i == 0) != (parent == -1) or parent >= i:
-            raise ValueError(f"not a parents-first tree: node {i}'s parent is {parent}")
-        depths.append(0 if parent == -1 else depths[parent] + 1)
-    return depths
 
 
 class SessionTrees:
@@ -111,7 +102,7 @@ class SessionTrees:
                 self._split(str(verify_spec(params)["key"]))
             if where != "whole":
                 continue
-            depths = parents_to_depths(parents)
+            depths = depths_from_parents(parents)
             placeholder = torch.zeros(len(parents), dtype=torch.long)  # attention needs the shape, not the tokens
             requests.append(TreeRequest(index, int(query_start[index]) + root - done, root,
                                         DraftTree(placeholder, parents, depths, [-1] * len(parents))))

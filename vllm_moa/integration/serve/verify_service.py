@@ -145,15 +145,15 @@ def collect(runner: Any) -> None:
         try:  # a failure fails this round only (its capture says why), never vLLM's engine
             if not isinstance(state.slot_mappings, dict):
                 raise RuntimeError("the step has no per-layer slot mapping (micro-batching is not supported)")
-            _collect_request(runner, state, _TargetLayers.of(runner), req_id, count, request, spec)
+            _collect_request(runner, state, _TargetLayers.of(runner), trees, req_id, count, request, spec)
         except Exception as err:  # noqa: BLE001 - reported to the backend through take()
             _FAILED[str(spec.get("key"))] = f"{type(err).__name__}: {err}"
             while len(_FAILED) > MAX_CAPTURES:
                 _FAILED.popitem(last=False)
 
 
-def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str, count: int, request: Any,
-                     spec: dict) -> None:
+def _collect_request(runner: Any, state: Any, layers: _TargetLayers, trees: SessionTrees | None, req_id: str,
+                     count: int, request: Any, spec: dict) -> None:
     key, prompt_len = str(spec["key"]), len(request.prompt_token_ids)
     rows_from, logits_from = int(spec["rows_from"]), int(spec["logits_from"])
     index = runner.input_batch.req_id_to_index[req_id]
@@ -166,7 +166,6 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, req_id: str
         capture = _CAPTURES[key] = Capture(prompt_len, rows_from, logits_from, bool(spec.get("logits")))
         while len(_CAPTURES) > MAX_CAPTURES:
             _CAPTURES.popitem(last=False)
-    trees = runner.__dict__.get(compat.STEP_PLANNER_ATTR)
     if trees is not None and trees.was_split(key):
         capture.tree_split = True
     if first >= last:

@@ -160,10 +160,11 @@ class VLLMBackend(SessionBackend):
                     self._count("nodes_cut_at_block_end", tree.size - limit)
                     order = order[:limit]
             work = _subtree(tree, order)
+            chain = _is_chain(work)
             base = min(live.valid, seq)  # the request's tokens that stay; session.tokens[base:seq] come again
             waiter = _Waiter(verify=True, external=live.external, first=not live.started)
             spec = {"key": waiter.key, "rows_from": seq, "logits_from": seq, "logits": session.sampling is not None}
-            if not _is_chain(work):
+            if not chain:
                 spec[TREE_KEY] = {"root": seq, "parents": work.parents}
             extra = {VERIFY_ARG: spec, **({ROLLBACK_ARG: base} if live.started else {})}
             self.driver.submit(waiter, session.tokens[base:seq] + work.tokens.tolist(), self._params(extra, False))
@@ -185,7 +186,7 @@ class VLLMBackend(SessionBackend):
         else:  # the path's rows where a chain's would be (node i at depth i) stay valid
             in_place = next((i for i, node in enumerate(path) if node != i), len(path))
             self.live.release(live, seq + in_place)
-        self._count("live_rounds" if _is_chain(work) else "live_tree_rounds")
+        self._count("live_rounds" if chain else "live_tree_rounds")
         sync = self._sync(session, view.target_output(path), list(range(len(path))), seq)
         return [order[node] for node in path], nxt, sync
 
