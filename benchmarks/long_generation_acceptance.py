@@ -1,0 +1,171 @@
+"""Acceptance by output position over long generations (1-2k tokens): MoA against EAGLE-style.
+
+    python -m benchmarks.long_generation_acceptance --specbench ../shared/data/specbench \
+        [--categories writing humanities] [--num-prompts 8] [--max-new-tokens 1536] [--bin 128]
+
+Drafters' acceptance is reported to decay over a few thousand output tokens (DFlash, EAGLE-3,
+PARD); MoA reads the target's own KV cache at every layer, so it may hold up better. Both shipped
+SmolLM2 drafters trained on sequences of at most 320 tokens, so every position past that is new to
+both.
+
+SmolLM2-135M-Instruct answers the first turn of Spec-Bench mt_bench questions of the given
+categories (never trained on; read from the path given), chat-templated, greedily for
+`--max-new-tokens` tokens. The end-of-turn token does not stop it: the target goes on (usually a
+new turn), which keeps every row the same length; the first end of turn of each answer is recorded
+and acceptance is also reported over the answers alone (rounds before it). Every drafter x draft
+shape must reproduce plain greedy decoding token for token. n-gram lookup runs beside them as the
+gauge of repetition: how much of each stretch of text repeats earlier text.
+
+Each verification round is binned by the output position it starts at (`--bin` tokens per bin);
+a bin's acceptance length is its accepted tokens (+1 per round) over its rounds. JSON + PNG in
+benchmarks/results/. Sequences run as one ragged batch (acceptance does not depend on batching;
+time is not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from vllm_moa.chat import encode_prompt  # noqa: E402
+from vllm_moa.decoding.engine import SpeculativeEngine  # noqa: E402
+from vllm_moa.decoding.results import GenerationResult  # noqa: E402
+from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
+from vllm_moa.models import load_drafter  # noqa: E402
+from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
+from vllm_moa.target import TargetModel  # noqa: E402
+from vllm_moa.targets import fetch_smollm2  # noqa: E402
+
+TRAINED_MAX_LENGTH = 320  # the longest sequence either shipped drafter trained on (assets/smollm2/README.md)
+
+
+def read_questions(path: Path, categories: list[str], count: int) -> list[str]:
+    """The first turn of the first `count` Spec-Bench questions whose category is one of those given."""
+    questions = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("category") in categories:
+            questions.append(record["turns"][0])
+    if len(questions) < count:
+        raise SystemExit(f"{path} has {len(questions)} questions in {categories}, {count} asked for")
+    return questions[:count]
+
+
+def acceptance_by_bin(results: list[GenerationResult], bin_size: int, ends: list[int] | None = None) -> list[dict]:
+    """Rounds binned by the output position each starts at: per bin, rounds and acceptance length.
+    With `ends` (one output position per result), only rounds that start before it count."""
+    gained: dict[int, int] = {}
+    rounds: dict[int, int] = {}
+    for i, result in enumerate(results):
+        position = 0
+        for accepted in result.accepted_per_forward:
+            if ends is not None and position >= ends[i]:
+                break
+            index = position // bin_size
+            gained[index] = gained.get(index, 0) + accepted
+            rounds[index] = rounds.get(index, 0) + 1
+            position += accepted
+    return [{"start": index * bin_size, "rounds": rounds[index],
+             "acceptance_length": round(gained[index] / rounds[index], 3)} for index in sorted(rounds)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--specbench", type=Path, required=True, help="folder with mt_bench/question.jsonl")
+    parser.add_argument("--categories", nargs="+", default=["writing", "humanities"])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=1536)
+    parser.add_argument("--bin", type=int, default=128, help="output tokens per bin")
+    parser.add_argument("--chain", type=int, default=3, help="chain depth K")
+    parser.add_argument("--tree", type=int, nargs=3, default=[5, 4, 16], metavar=("DEPTH", "TOP_K", "BUDGET"))
+    parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "eagle"], help="shipped names or directories")
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "benchmarks" / "results" / "long_generation_acceptance_smollm2.json")
+    args = parser.parse_args()
+
+    origin = provenance(torch_threads=torch.get_num_threads())  # at the start: the code that runs
+    folder = fetch_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    target = TargetModel.from_pretrained(folder)
+    texts = read_questions(args.specbench / "mt_bench" / "question.jsonl", args.categories, args.num_prompts)
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    drafters = {Path(n).name: load_drafter(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2 / n, target).eval()
+                for n in args.drafters}
+    drafters["ngram"] = "ngram"
+    tree = DraftSpec.tree(*args.tree)
+    shapes = {f"chain K={args.chain}": DraftSpec.chain(args.chain), f"tree d={tree.depth} k={tree.top_k} b={tree.budget}": tree}
+
+    started = time.time()
+    reference = [r.token_ids for r in SpeculativeEngine(target, None).generate(prompts, args.max_new_tokens)]
+    end_of_turn = tokenizer.eos_token_id
+    ends = [ids.index(end_of_turn) + 1 if end_of_turn in ids else len(ids) for ids in reference]
+    print(f"plain greedy done in {time.time() - started:.0f} s; first end of turn at {ends}", flush=True)
+    rows = []
+    for (drafter_name, drafter), (shape_name, spec) in tqdm([(d, s) for d in drafters.items() for s in shapes.items()]):
+        if drafter_name == "ngram" and spec is tree:
+            continue
+        results = SpeculativeEngine(target, drafter, spec).generate(prompts, args.max_new_tokens)
+        if [r.token_ids for r in results] != reference:
+            raise AssertionError(f"{drafter_name}/{shape_name}: output differs from greedy decoding")
+        forwards = sum(len(r.accepted_per_forward) for r in results)
+        rows.append({"drafter": drafter_name, "draft": shape_name,
+                     "acceptance_length": round(sum(sum(r.accepted_per_forward) for r in results) / forwards, 3),
+                     "by_position": acceptance_by_bin(results, args.bin),
+                     "answers_only_by_position": acceptance_by_bin(results, args.bin, ends)})
+        print(f"{drafter_name:10s} {shape_name:18s} AL {rows[-1]['acceptance_length']:.3f} by bin "
+              f"{[b['acceptance_length'] for b in rows[-1]['by_position']]}", flush=True)
+    report = {
+        "benchmark": "long_generation_acceptance", "target": "SmolLM2-135M-Instruct (vllm-moa fetch smollm2, fp32)",
+        "prompts": {"set": "Spec-Bench mt_bench, first turn", "categories": args.categories,
+                    "count": len(prompts), "prompt_tokens": [len(p) for p in prompts]},
+        "max_new_tokens": args.max_new_tokens, "bin_tokens": args.bin,
+        "decoding": "greedy, the end-of-turn token does not stop generation; every output checked equal to plain "
+                    "greedy decoding; one ragged batch",
+        "first_end_of_turn": ends,
+        "drafters_trained_on_at_most_tokens": TRAINED_MAX_LENGTH,
+        "drafters": {n: str(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2.relative_to(ROOT) / n) for n in args.drafters},
+        "rows": rows, "wall_time_s": round(time.time() - started, 1),
+        "provenance": origin,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def plot(report: dict, path: Path) -> None:
+    shapes = list(dict.fromkeys(r["draft"] for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["drafter"] for r in report["rows"]))}
+    for ax, shape in zip(axes[0], shapes):
+        for row in (r for r in report["rows"] if r["draft"] == shape):
+            bins = row["by_position"]
+            ax.plot([b["start"] + report["bin_tokens"] / 2 for b in bins], [b["acceptance_length"] for b in bins],
+                    marker="o", markersize=3, color=colors[row["drafter"]], label=row["drafter"],
+                    linestyle="--" if row["drafter"] == "ngram" else "-")
+        prompt_tokens = report["prompts"]["prompt_tokens"]  # the training length counts the prompt's tokens
+        ax.axvline(report["drafters_trained_on_at_most_tokens"] - sum(prompt_tokens) / len(prompt_tokens),
+                   color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("output position (tokens)")
+        ax.set_title(f"{shape}: acceptance length by position")
+        ax.legend(fontsize=8)
+    prov = report["provenance"]
+    fig.suptitle(f"SmolLM2-135M-Instruct, {report['prompts']['count']} mt_bench prompts x {report['max_new_tokens']} "
+                 f"tokens, greedy; dotted: where the sequences pass the longest training sequence - commit {prov['commit'][:8]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
