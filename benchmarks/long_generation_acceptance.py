@@ -14,7 +14,8 @@ categories (never trained on; read from the path given), chat-templated, greedil
 new turn), which keeps every row the same length; the first end of turn of each answer is recorded
 and acceptance is also reported over the answers alone (rounds before it). Every drafter x draft
 shape must reproduce plain greedy decoding token for token. n-gram lookup runs beside them as the
-gauge of repetition: how much of each stretch of text repeats earlier text.
+gauge of repetition: how much of each stretch of text repeats earlier text; each model drafter's
+tree also runs with lookup merged into it (`Retrieval()`, the runtime's default).
 
 Each verification round is binned by the output position it starts at (`--bin` tokens per bin);
 a bin's acceptance length is its accepted tokens (+1 per round) over its rounds. JSON + PNG in
@@ -41,6 +42,7 @@ from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from vllm_moa.chat import encode_prompt  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine  # noqa: E402
 from vllm_moa.decoding.results import GenerationResult  # noqa: E402
+from vllm_moa.decoding.retrieval import Retrieval  # noqa: E402
 from vllm_moa.decoding.tree import DraftSpec  # noqa: E402
 from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
@@ -112,10 +114,12 @@ def main() -> None:
     ends = [ids.index(end_of_turn) + 1 if end_of_turn in ids else len(ids) for ids in reference]
     print(f"plain greedy done in {time.time() - started:.0f} s; first end of turn at {ends}", flush=True)
     rows = []
-    for (drafter_name, drafter), (shape_name, spec) in tqdm([(d, s) for d in drafters.items() for s in shapes.items()]):
-        if drafter_name == "ngram" and spec is tree:
-            continue
-        results = SpeculativeEngine(target, drafter, spec).generate(prompts, args.max_new_tokens)
+    runs = [(name, drafter, shape, spec, None) for name, drafter in drafters.items() for shape, spec in shapes.items()
+            if not (name == "ngram" and spec is tree)]
+    runs += [(f"{name} + lookup", drafter, shape, tree, Retrieval()) for name, drafter in drafters.items()
+             if name != "ngram" for shape, spec in shapes.items() if spec is tree]
+    for drafter_name, drafter, shape_name, spec, retrieval in tqdm(runs):
+        results = SpeculativeEngine(target, drafter, spec, retrieval=retrieval).generate(prompts, args.max_new_tokens)
         if [r.token_ids for r in results] != reference:
             raise AssertionError(f"{drafter_name}/{shape_name}: output differs from greedy decoding")
         forwards = sum(len(r.accepted_per_forward) for r in results)
@@ -147,13 +151,14 @@ def main() -> None:
 def plot(report: dict, path: Path) -> None:
     shapes = list(dict.fromkeys(r["draft"] for r in report["rows"]))
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
-    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["drafter"] for r in report["rows"]))}
+    # a drafter with lookup merged: its drafter's color, dotted
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["drafter"].split(" + ")[0] for r in report["rows"]))}
     for ax, shape in zip(axes[0], shapes):
         for row in (r for r in report["rows"] if r["draft"] == shape):
             bins = row["by_position"]
             ax.plot([b["start"] + report["bin_tokens"] / 2 for b in bins], [b["acceptance_length"] for b in bins],
-                    marker="o", markersize=3, color=colors[row["drafter"]], label=row["drafter"],
-                    linestyle="--" if row["drafter"] == "ngram" else "-")
+                    marker="o", markersize=3, color=colors[row["drafter"].split(" + ")[0]], label=row["drafter"],
+                    linestyle="--" if row["drafter"] == "ngram" else ":" if "lookup" in row["drafter"] else "-")
         prompt_tokens = report["prompts"]["prompt_tokens"]  # the training length counts the prompt's tokens
         ax.axvline(report["drafters_trained_on_at_most_tokens"] - sum(prompt_tokens) / len(prompt_tokens),
                    color="gray", linewidth=0.8, linestyle=":")
