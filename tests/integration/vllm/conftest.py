@@ -7,6 +7,7 @@ CpuPlatform is selected first on machines without a GPU (vllm_env.py).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from vllm_env import DEMO, MOA_ALONE, engine_config, has_vllm, select_cpu_platform  # noqa: E402
+from vllm_env import DEMO, MOA_ALONE, engine_config, has_vllm, select_cpu_platform, xdist_worker_binding  # noqa: E402
 
 if has_vllm():
     select_cpu_platform()
+# pytest-xdist: this worker's engines (and the servers and CLIs its tests start) on a core of its own
+os.environ.update(xdist_worker_binding())
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +83,8 @@ def missing_engine_tests(outcomes: dict[str, str]) -> str | None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import os
-
-    if os.environ.get(REQUIRE_ENGINE_ENV) != "1":
-        return
+    if os.environ.get(REQUIRE_ENGINE_ENV) != "1" or hasattr(session.config, "workerinput"):
+        return  # pytest-xdist: the controller, which receives every worker's reports, decides
     reason = missing_engine_tests(_engine_outcomes)
     if reason is not None:
         session.config.get_terminal_writer().line(f"{REQUIRE_ENGINE_ENV}=1: {reason}", red=True)

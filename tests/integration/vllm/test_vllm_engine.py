@@ -28,6 +28,7 @@ from vllm_env import (  # noqa: E402
     TARGET,
     engine,
     engine_available,
+    engine_host,
     moa,
     prompts,
 )
@@ -248,18 +249,36 @@ BAD_INPUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def refused_inputs(tmp_path_factory) -> dict:
+    """Every case of BAD_INPUTS tried in one child process (refusals.py)."""
+    from refusals import refusals
+
+    return refusals({case: EngineRun(target=TARGET, speculative_config=make_config(tmp_path_factory.mktemp("bad")),
+                                     prompts=[[1, 2, 3]], max_tokens=4, engine=ENGINE)
+                     for case, (make_config, _) in BAD_INPUTS.items()}, env=ENGINE_ENV)
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_refused_before_the_engine_starts(case, tmp_path):
-    make_config, needle = BAD_INPUTS[case]
-    run = EngineRun(target=TARGET, speculative_config=make_config(tmp_path), prompts=[[1, 2, 3]], max_tokens=4,
-                    engine=ENGINE)
+def test_bad_input_is_refused_before_the_engine_starts(case, refused_inputs):
+    refusal = refused_inputs[case]
+    assert refusal.refused, refusal.message  # LLM(...) raised by itself: no hang, no engine
+    assert not refusal.orphans  # and left no engine core or worker behind
+    assert BAD_INPUTS[case][1] in refusal.message
+    assert "KV cache size" not in refusal.log  # refused before vLLM sized or allocated its KV cache
+
+
+def test_the_engine_host_runs_an_engine_after_a_failed_one():
+    """EngineHost (integration/serve/engine_host.py), which runs this worker's engines one after
+    another in one process: a run vLLM refuses raises with its own log's cause, and the host's next
+    run starts an engine of its own and leaves no process behind."""
+    host = engine_host()
     with pytest.raises(EngineRunFailed) as failure:
-        run_engine(run, timeout=300, env=ENGINE_ENV)
-    message = str(failure.value)
-    assert "exited with" in message  # it ended by itself: no hang (run_engine kills only on timeout)
-    assert not failure.value.orphans  # and left no engine core or worker behind
-    assert needle in message
-    assert "KV cache size" not in failure.value.log  # refused before vLLM sized or allocated its KV cache
+        host.run(EngineRun(target=TARGET, speculative_config=moa(0), prompts=[[1, 2, 3]], max_tokens=4, engine=ENGINE))
+    assert "num_speculative_tokens" in str(failure.value) and not failure.value.orphans
+    after = host.run(EngineRun(target=TARGET, prompts=prompts()[:2], max_tokens=8, engine=ENGINE))
+    assert after.passes[0].outputs == [out[:8] for out in engine().passes[0].outputs[:2]]
+    assert not after.orphans
 
 
 # -- vllm serve ------------------------------------------------------------------------------------

@@ -42,8 +42,11 @@ TOP_K, TOP_P = 20, 0.9
 # every prefill fits one step: vLLM 0.32 on CPU kills the engine when a *seeded* request's prefill
 # is chunked (GPUModelRunner._bookkeeping_sync rewinds its generator with set_offset, which CPU
 # generators lack: "CPU Generator does not use offset"; vLLM's own, with or without speculation)
-ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 128, "max_num_batched_tokens": 8192,
-          "skip_tokenizer_init": True, "enable_prefix_caching": True}
+# block_size 32: the chat prompt's first 32 tokens fill a block, which the prefix cache then serves
+# to every later request (with vLLM CPU's default of 128 no block of the 36-token prompt is ever
+# full, and every request prefilled the whole prompt again)
+ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+          "skip_tokenizer_init": True, "enable_prefix_caching": True, "block_size": 32}
 
 
 def prompt() -> list[int]:
@@ -89,8 +92,10 @@ def top_k_only_run():
     return run_engine(run, timeout=1500, env=ENGINE_ENV)
 
 
+@cache
 def pair_distribution(temperature: float, top_k: int | None = None, top_p: float | None = None):
-    """The target's exact distribution of the first two tokens, top-k / top-p as vLLM applies them."""
+    """The target's exact distribution of the first two tokens, top-k / top-p as vLLM applies them
+    (computed once per arguments: several tests compare against the same one)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     def warp(logits: torch.Tensor) -> torch.Tensor:
@@ -107,6 +112,7 @@ def test_chain_sampling_matches_the_target():
     assert all(len(o) == NEW_TOKENS for o in plain)
     counters = chain_run().spec_decode
     assert counters.drafts > 0 and counters.accepted > 0  # second tokens did come out of verification
+    assert chain_run().prefix_cache_hits > 0  # the prompt's first block was served from the cache (ENGINE)
     assert pair_p(plain, pair_distribution(TEMPERATURE)) > 1e-3
     right = pair_distribution(TEMPERATURE)
     assert pair_p(plain, pair_distribution(1.3 * TEMPERATURE), buckets_of=right) < 1e-3  # power
@@ -169,8 +175,10 @@ def test_mean_nll_sentinel():
     _, model, _ = smollm2()
     torch.manual_seed(0)
     ids = torch.tensor([prompt()] * 300)
-    with torch.no_grad():
-        own = model.generate(ids, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+    with torch.no_grad():  # the prompt's KV computed once for the 300 (the same draws: the same samples)
+        cached = model(torch.tensor([prompt()[:-1]]), use_cache=True).past_key_values
+        cached.batch_repeat_interleave(len(ids))
+        own = model.generate(ids, past_key_values=cached, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)[:, len(prompt()):].tolist()
     baseline = mean_nll([prompt()] * len(own), own, TEMPERATURE)
     for name, outputs in (("chain", chain_run().passes[0].outputs[:PLAIN]),

@@ -76,6 +76,20 @@ KS = (1, 3, 5)
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: a small KV cache (vLLM CPU default: a share of RAM)
 
 
+def xdist_worker_binding() -> dict[str, str]:
+    """Under pytest-xdist, worker i's engines compute on core i mod n (conftest.py sets it for the
+    worker's whole process). vLLM CPU's default binds every engine to the same first core, so two
+    workers' engines would share one core and leave the other idle."""
+    import os
+    import re
+
+    worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    if worker is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cores[int(worker[1]) % len(cores)])}
+
+
 @cache
 def prompts() -> list[list[int]]:
     """16 held-out stdlib prompts, ragged: the last 24, 36, ..., 204 tokens of each."""
@@ -120,15 +134,22 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
     return {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))}
 
 
-@cache
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
            stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple | None = None,
            retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1, env: tuple[tuple[str, str], ...] = ()):
-    """One engine run over prompts(), cached for the session (`replica` starts another engine of
-    the same configuration). stress: chunked prefill (a 64-token step budget, below most prompts)
-    and a KV cache of 12 blocks of 32 tokens (the 16 requests need ~60), so the scheduler preempts
-    and recomputes requests. tp > 1: a tensor-parallel target (vLLM's mp executor, one process per
-    rank), with the tap's traffic read from every worker. env: extra environment variables."""
+    """One engine run over prompts(), run once per test session (`replica` starts another engine of
+    the same configuration). A run of one pass is the first pass of the run of two (each pass is
+    generated to the end before the next starts), so both are one engine. stress: chunked prefill
+    (a 64-token step budget, below most prompts) and a KV cache of 12 blocks of 32 tokens (the 16
+    requests need ~60), so the scheduler preempts and recomputes requests. tp > 1: a
+    tensor-parallel target (vLLM's mp executor, one process per rank), with the tap's traffic read
+    from every worker. env: extra environment variables."""
+    run = _engine(speculative, k, max(passes, 2), temperature, stress, replica, drafter, tree, retrieval, tp, env)
+    return run.first_passes(passes) if passes < len(run.passes) else run
+
+
+@cache
+def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env):
     from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
     config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
@@ -140,4 +161,47 @@ def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperat
     run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
                     temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra},
                     tap_traffic=tp > 1 and config is not None)
-    return run_engine(run, timeout=900, env={**(tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV), **dict(env)})
+    key = repr((speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env))
+    if tp == 1 and not env:  # one engine after another in this worker's host process
+        return once_per_session(key, lambda: engine_host().run(run, timeout=900))
+    return once_per_session(key, lambda: run_engine(
+        run, timeout=900, env={**(tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV), **dict(env)}))
+
+
+@cache
+def engine_host():
+    """This test process's EngineHost (vllm_moa.integration.serve.engine_host) for the engine runs
+    that need no environment of their own: vLLM imported once for them all, each run still an
+    engine of its own, shut down after it."""
+    import atexit
+
+    from vllm_moa.integration.serve.engine_host import EngineHost
+
+    host = EngineHost(env=ENGINE_ENV)
+    atexit.register(host.__exit__)
+    return host
+
+
+def once_per_session(key: str, compute):
+    """compute() once per test session, also across pytest-xdist's workers: the first worker to
+    ask computes it under a file lock and leaves the result (an EngineResult) for the others."""
+    import hashlib
+    import os
+    import tempfile
+
+    from filelock import FileLock
+
+    from vllm_moa.integration.serve.offline import EngineResult
+
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not session:
+        return compute()
+    folder = Path(tempfile.gettempdir()) / f"vllm-moa-test-engines-{session}"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return EngineResult.model_validate_json(path.read_text())
+        result = compute()
+        path.write_text(result.model_dump_json())
+        return result

@@ -82,6 +82,13 @@ class SpecDecodeCounters(BaseModel):
                                   accepted=self.accepted - earlier.accepted, accepted_per_pos=per_pos)
 
 
+    def plus(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * len(other.accepted_per_pos),
+                                         other.accepted_per_pos or [0] * len(self.accepted_per_pos))]
+        return SpecDecodeCounters(drafts=self.drafts + other.drafts, draft_tokens=self.draft_tokens + other.draft_tokens,
+                                  accepted=self.accepted + other.accepted, accepted_per_pos=per_pos)
+
+
 class PassResult(BaseModel):
     concurrency: int  # requests submitted together
     outputs: list[list[int]]  # [prompt] -> generated token ids (its first completion)
@@ -90,6 +97,8 @@ class PassResult(BaseModel):
     logprobs: list[list[float] | None] = Field(default_factory=list)
     seconds: float  # wall time of the pass
     spec_decode: SpecDecodeCounters  # of this pass alone
+    prefix_cache_hits: int = 0  # tokens, this pass alone
+    preemptions: int = 0  # this pass alone
 
 
 class EngineResult(BaseModel):
@@ -103,6 +112,20 @@ class EngineResult(BaseModel):
     tap_traffic: list[dict[str, Any]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
     # the speculative config as the engine resolved it (for "moa": the options the plugin filled in)
     speculative_config: dict[str, Any] = Field(default_factory=dict)
+
+    def first_passes(self, n: int) -> EngineResult:
+        """This run as if it had stopped after its first `n` passes (each pass's requests are
+        generated to the end before the next pass starts, so the first passes do not depend on
+        the later ones): the same passes, and the counters of those passes alone."""
+        if not 0 < n <= len(self.passes):
+            raise ValueError(f"a run of {len(self.passes)} passes has no first {n}")
+        kept = self.passes[:n]
+        counters = SpecDecodeCounters()
+        for done in kept:
+            counters = counters.plus(done.spec_decode)
+        return self.model_copy(update={"passes": kept, "spec_decode": counters,
+                                       "prefix_cache_hits": sum(p.prefix_cache_hits for p in kept),
+                                       "preemptions": sum(p.preemptions for p in kept)})
 
 
 class EngineRunFailed(RuntimeError):
@@ -146,48 +169,62 @@ def execute(run: EngineRun) -> EngineResult:
     start = time.perf_counter()
     llm = LLM(model=run.target, speculative_config=run.speculative_config, **kwargs)
     startup = time.perf_counter() - start
-    resolved = resolved_speculative_config(llm.llm_engine.vllm_config.speculative_config)
-    temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
-    if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
-        raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
-    extra = run.sampling or [{}] * len(run.prompts)
-    if len(extra) != len(run.prompts):
-        raise ValueError(f"need one sampling dict per prompt, got {len(extra)} for {len(run.prompts)}")
-    sampling = [SamplingParams(**{"temperature": t, "max_tokens": run.max_tokens, "ignore_eos": run.ignore_eos,
-                                  "seed": None if run.seed is None else run.seed + i, **more})
-                for i, (t, more) in enumerate(zip(temperatures, extra))]
-    many = any(more.get("n", 1) > 1 for more in extra)
-    wants_logprobs = any(more.get("logprobs") is not None for more in extra)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
-    passes, before = [], SpecDecodeCounters()
-    for group in run.passes:
-        size = group or len(prompts)
-        outputs: list[list[int]] = []
-        completions: list[list[list[int]]] = []
-        logprobs: list[list[float] | None] = []
-        start = time.perf_counter()
-        for first in range(0, len(prompts), size):
-            done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
-            outputs += [list(o.outputs[0].token_ids) for o in done]
-            completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
-            logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
-        seconds = time.perf_counter() - start
-        after = spec_decode_counters(llm.get_metrics())
-        passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, completions=completions,
-                                 logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before)))
-        before = after
-    metrics = llm.get_metrics()
-    traffic = []
-    if run.tap_traffic:
-        from vllm_moa.integration.moa.tensor_parallel import worker_tap_traffic
+    try:
+        resolved = resolved_speculative_config(llm.llm_engine.vllm_config.speculative_config)
+        temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
+        if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
+            raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
+        extra = run.sampling or [{}] * len(run.prompts)
+        if len(extra) != len(run.prompts):
+            raise ValueError(f"need one sampling dict per prompt, got {len(extra)} for {len(run.prompts)}")
+        sampling = [SamplingParams(**{"temperature": t, "max_tokens": run.max_tokens, "ignore_eos": run.ignore_eos,
+                                      "seed": None if run.seed is None else run.seed + i, **more})
+                    for i, (t, more) in enumerate(zip(temperatures, extra))]
+        many = any(more.get("n", 1) > 1 for more in extra)
+        wants_logprobs = any(more.get("logprobs") is not None for more in extra)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
+        passes, before, hits_before, preempted_before = [], SpecDecodeCounters(), 0, 0
+        for group in run.passes:
+            size = group or len(prompts)
+            outputs: list[list[int]] = []
+            completions: list[list[list[int]]] = []
+            logprobs: list[list[float] | None] = []
+            start = time.perf_counter()
+            for first in range(0, len(prompts), size):
+                done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
+                outputs += [list(o.outputs[0].token_ids) for o in done]
+                completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
+                logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
+            seconds = time.perf_counter() - start
+            metrics = llm.get_metrics()
+            after, hits, preempted = (spec_decode_counters(metrics), counter_total(metrics, PREFIX_CACHE_HITS),
+                                      counter_total(metrics, PREEMPTIONS))
+            passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, completions=completions,
+                                     logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before),
+                                     prefix_cache_hits=hits - hits_before, preemptions=preempted - preempted_before))
+            before, hits_before, preempted_before = after, hits, preempted
+        metrics = llm.get_metrics()
+        traffic = []
+        if run.tap_traffic:
+            from vllm_moa.integration.moa.tensor_parallel import worker_tap_traffic
 
-        traffic = [t for t in llm.collective_rpc(worker_tap_traffic) if t]
-    return EngineResult(
-        passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
-        prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
-        preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
-        speculative_config=resolved,
-    )
+            traffic = [t for t in llm.collective_rpc(worker_tap_traffic) if t]
+        return EngineResult(
+            passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
+            prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
+            preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
+            speculative_config=resolved,
+        )
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm: Any) -> None:
+    """Shut an LLM's engine core and workers down now (not when the object is collected): a
+    process that runs several engines one after another (engine_host.py) starts each clean."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 RESOLVED_FIELDS = ("method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size", "moa_tree",
@@ -237,7 +274,7 @@ def run_engine(run: EngineRun, *, timeout: float = 900, env: dict[str, str] | No
             except subprocess.TimeoutExpired:
                 code = None
             finally:
-                orphans = _kill_group(child.pid)
+                orphans = kill_process_group(child.pid)
         if code != 0 or not out.is_file():
             text = log.read_text(errors="replace")
             what = f"ran past {timeout:.0f} s" if code is None else f"exited with {code}"
@@ -259,7 +296,7 @@ def root_causes(log: str) -> str:
     return " | ".join(causes[:4]) or "no exception in the log"
 
 
-def _kill_group(pgid: int) -> bool:
+def kill_process_group(pgid: int) -> bool:
     """End the child's process group (engine core and workers included); returns whether any of
     it was still there."""
     try:

@@ -1,0 +1,161 @@
+"""Several engine configurations, one after another, in one child process: vLLM is imported once
+for all of them, where `offline.run_engine` starts a child per configuration.
+
+Each run is still one `vllm.LLM` of its own (its engine core and workers started for it and shut
+down after it: `offline.execute`), logged to a file of its own (the child's stdout and stderr are
+redirected to it for the run, so what the engine core and workers print lands in it too), and
+checked for processes that outlive it (its orphans, killed then so that the next run starts
+clean). A run that fails raises `EngineRunFailed` as run_engine's do; a run past its time, or a
+child that died, ends the child, and the next run starts a new one. Runs that need an environment
+of their own (another thread binding, other drafter options read from the environment) need a
+host of their own: the environment is the child's.
+
+    python -m vllm_moa.integration.serve.engine_host FOLDER    (the child's side: runs N.run.json
+                                                                 for each N read from stdin)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from vllm_moa.integration.serve.offline import (
+    CPU_KV_CACHE_ENV,
+    CPU_KV_CACHE_GIB,
+    EngineResult,
+    EngineRun,
+    EngineRunFailed,
+    kill_process_group,
+    root_causes,
+)
+
+ORPHAN_GRACE_S = 5.0  # a run's processes still alive this long after its engine shut down are orphans
+
+
+class EngineHost:
+    """A child process that runs `EngineRun`s one after another (started on the first run)."""
+
+    def __init__(self, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+        self.env = {CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB), **(env or {})}
+        self.python = python
+        self._folder = tempfile.TemporaryDirectory(prefix="vllm-moa-engine-host-")
+        self._child: subprocess.Popen | None = None
+        self._numbers = itertools.count()
+
+    def run(self, run: EngineRun, *, timeout: float = 900) -> EngineResult:
+        if run.tap_traffic:
+            raise ValueError("a run reading the tap's traffic needs VLLM_ALLOW_INSECURE_SERIALIZATION: use run_engine")
+        if self._child is None or self._child.poll() is not None:
+            self._start()
+        number, folder = next(self._numbers), Path(self._folder.name)
+        (folder / f"{number}.run.json").write_text(run.model_dump_json())
+        out, log = folder / f"{number}.out.json", folder / f"{number}.log"
+        assert self._child is not None and self._child.stdin is not None
+        self._child.stdin.write(f"{number}\n")
+        self._child.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while not out.is_file():
+            if self._child.poll() is not None or time.monotonic() > deadline:
+                what = f"ran past {timeout:.0f} s" if self._child.poll() is None else \
+                    f"ended its host process (exit {self._child.returncode})"
+                orphans = self.close()
+                text = log.read_text(errors="replace") if log.is_file() else ""
+                raise EngineRunFailed(f"vLLM engine run {what}: {root_causes(text)}\n--- last lines:\n"
+                                      + "\n".join(text.splitlines()[-25:]), text, orphans)
+            time.sleep(0.05)
+        answer = json.loads(out.read_text())
+        if "error" in answer:
+            text = log.read_text(errors="replace")
+            raise EngineRunFailed(f"vLLM engine run failed: {root_causes(text)}\n--- last lines:\n"
+                                  + "\n".join(text.splitlines()[-25:]), text, answer["orphans"])
+        result = EngineResult.model_validate(answer["result"])
+        result.orphans = answer["orphans"]
+        return result
+
+    def _start(self) -> None:
+        self._child = subprocess.Popen([self.python, "-m", __name__, self._folder.name], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                       env={**os.environ, **self.env}, start_new_session=True)
+
+    def close(self) -> bool:
+        """End the child and its process group; returns whether any of it was still there."""
+        child, self._child = self._child, None
+        if child is None:
+            return False
+        if child.poll() is None and child.stdin is not None:
+            child.stdin.close()  # the child's loop ends at the end of its input
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        return kill_process_group(child.pid)
+
+    def __enter__(self) -> EngineHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self._folder.cleanup()
+
+
+# -- the child's side ----------------------------------------------------------------------------
+def _serve_one(folder: Path, number: str) -> None:
+    import psutil
+
+    from vllm_moa.integration.serve.offline import execute
+
+    run = EngineRun.model_validate_json((folder / f"{number}.run.json").read_text())
+    saved = os.dup(1), os.dup(2)
+    with (folder / f"{number}.log").open("wb") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            answer = {"result": execute(run).model_dump(mode="json")}
+        except Exception as error:  # the parent raises it, with this run's log
+            traceback.print_exc()
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    # multiprocessing's resource tracker, which the first spawned engine starts, lives as long as
+    # this process: the one child that is not a run's
+    children = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    _, alive = psutil.wait_procs(children, timeout=ORPHAN_GRACE_S)
+    for process in alive:
+        process.kill()
+    answer["orphans"] = bool(alive)
+    partial = folder / f"{number}.out.json.partial"
+    partial.write_text(json.dumps(answer))
+    partial.rename(folder / f"{number}.out.json")
+
+
+def _is_resource_tracker(process) -> bool:
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    except psutil.Error:  # it ended meanwhile
+        return False
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0])
+    for line in sys.stdin:
+        if line.strip():
+            _serve_one(folder, line.strip())
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: the entry point must be guarded
+    sys.exit(main(sys.argv[1:]))
