@@ -134,7 +134,12 @@ rehearse)
     # holding what the GPU image has that matters here (torch 2.11.0, transformers, numpy)
     work=${REHEARSAL:-/tmp/vllm-gpu-rehearsal}
     rm -rf "$work/xfer" "$work/site" "$work/smollm2" "$work/smollm2.gguf" && mkdir -p "$work"
-    [ -x "$work/venv/bin/python" ] || "${PYTHON312:-python3.12}" -m venv "$work/venv"  # kept between rehearsals (torch: GBs)
+    # Python 3.12 (the GPU image's): PYTHON312, else python3.12 on PATH, else pyenv's (its shim
+    # answers "command not found" when 3.12 is installed but not selected)
+    py312=${PYTHON312:-python3.12}
+    "$py312" --version > /dev/null 2>&1 \
+        || py312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2> /dev/null | tail -1)
+    [ -x "$work/venv/bin/python" ] || "$py312" -m venv "$work/venv"  # kept between rehearsals (torch: GBs)
     # the image's packages in vLLM's dependency tree (prepare.py's resolve, intersected with
     # gpu-image-packages.txt: what the pack leaves to the image), at the resolved versions, torch
     # 2.11.0 and accelerate (SmolLM2's conversion); setuptools left out: the image's is too old,
