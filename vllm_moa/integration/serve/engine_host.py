@@ -33,7 +33,6 @@ from vllm_moa.integration.serve.offline import (
     EngineRun,
     EngineRunFailed,
     kill_process_group,
-    root_causes,
 )
 
 ORPHAN_GRACE_S = 5.0  # a run's processes still alive this long after its engine shut down are orphans
@@ -63,18 +62,15 @@ class EngineHost:
         deadline = time.monotonic() + timeout
         while not out.is_file():
             if self._child.poll() is not None or time.monotonic() > deadline:
-                what = f"ran past {timeout:.0f} s" if self._child.poll() is None else \
-                    f"ended its host process (exit {self._child.returncode})"
+                timed_out = self._child.poll() is None
+                what = f"ran past {timeout:.0f} s" if timed_out else f"ended its host process (exit {self._child.returncode})"
                 orphans = self.close()
                 text = log.read_text(errors="replace") if log.is_file() else ""
-                raise EngineRunFailed(f"vLLM engine run {what}: {root_causes(text)}\n--- last lines:\n"
-                                      + "\n".join(text.splitlines()[-25:]), text, orphans)
+                raise EngineRunFailed.from_log(what, text, orphans, timed_out=timed_out)
             time.sleep(0.05)
         answer = json.loads(out.read_text())
         if "error" in answer:
-            text = log.read_text(errors="replace")
-            raise EngineRunFailed(f"vLLM engine run failed: {root_causes(text)}\n--- last lines:\n"
-                                  + "\n".join(text.splitlines()[-25:]), text, answer["orphans"])
+            raise EngineRunFailed.from_log("failed", log.read_text(errors="replace"), answer["orphans"])
         result = EngineResult.model_validate(answer["result"])
         result.orphans = answer["orphans"]
         return result

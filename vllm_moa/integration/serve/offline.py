@@ -81,7 +81,6 @@ class SpecDecodeCounters(BaseModel):
         return SpecDecodeCounters(drafts=self.drafts - earlier.drafts, draft_tokens=self.draft_tokens - earlier.draft_tokens,
                                   accepted=self.accepted - earlier.accepted, accepted_per_pos=per_pos)
 
-
     def plus(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * len(other.accepted_per_pos),
                                          other.accepted_per_pos or [0] * len(self.accepted_per_pos))]
@@ -132,9 +131,15 @@ class EngineRunFailed(RuntimeError):
     """The engine did not start or did not finish; the message ends with its last log lines.
     `log`: the child's whole output; `orphans`: whether processes of its group outlived it."""
 
-    def __init__(self, message: str, log: str, orphans: bool) -> None:
+    def __init__(self, message: str, log: str, orphans: bool, timed_out: bool = False) -> None:
         super().__init__(message)
-        self.log, self.orphans = log, orphans
+        self.log, self.orphans, self.timed_out = log, orphans, timed_out
+
+    @classmethod
+    def from_log(cls, what: str, log: str, orphans: bool, timed_out: bool = False) -> EngineRunFailed:
+        """"vLLM engine run <what>: <the log's root causes>", then the log's last lines."""
+        return cls(f"vLLM engine run {what}: {root_causes(log)}\n--- last lines:\n" + "\n".join(log.splitlines()[-25:]),
+                   log, orphans, timed_out)
 
 
 def spec_decode_counters(metrics: list) -> SpecDecodeCounters:
@@ -278,8 +283,7 @@ def run_engine(run: EngineRun, *, timeout: float = 900, env: dict[str, str] | No
         if code != 0 or not out.is_file():
             text = log.read_text(errors="replace")
             what = f"ran past {timeout:.0f} s" if code is None else f"exited with {code}"
-            raise EngineRunFailed(f"vLLM engine run {what}: {root_causes(text)}\n--- last lines:\n"
-                                  + "\n".join(text.splitlines()[-25:]), text, orphans)
+            raise EngineRunFailed.from_log(what, text, orphans, timed_out=code is None)
         result = EngineResult.model_validate_json(out.read_text())
         result.orphans = orphans
         return result
