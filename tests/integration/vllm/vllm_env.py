@@ -111,12 +111,12 @@ from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 
 
 def moa(k: int, drafter: str = DRAFTER, tree: tuple | None = None,
-        retrieval: tuple[tuple[str, int], ...] | None = None) -> dict:
+        retrieval: tuple[tuple[str, int], ...] | None = None, adaptive: bool = False) -> dict:
     """speculative_config of MoA: a chain of k, or (tree = (depth, top_k[, chain_if_faster])) a
     tree of k nodes, drafted as a tree at every step unless chain_if_faster is given true (the
     tests check trees); retrieval: moa_retrieval's options as (key, value) pairs (() for the defaults;
-    None: no lookup). K is drafted at every step (moa_adaptive false)."""
-    config = {"method": "moa", "model": drafter, "num_speculative_tokens": k, **MOA_ALONE}
+    None: no lookup). K is drafted at every step (moa_adaptive false) unless `adaptive`."""
+    config = {"method": "moa", "model": drafter, "num_speculative_tokens": k, **MOA_ALONE, "moa_adaptive": adaptive}
     if tree is not None:
         config["moa_tree"] = {"depth": tree[0], "top_k": tree[1], "chain_if_faster": tree[2] if len(tree) > 2 else False}
     if retrieval is not None:
@@ -136,23 +136,25 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
 
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
            stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple | None = None,
-           retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1, env: tuple[tuple[str, str], ...] = ()):
+           retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1, env: tuple[tuple[str, str], ...] = (),
+           adaptive: bool = False):
     """One engine run over prompts(), run once per test session (`replica` starts another engine of
     the same configuration). A run of one pass is the first pass of the run of two (each pass is
     generated to the end before the next starts), so both are one engine. stress: chunked prefill
     (a 64-token step budget, below most prompts) and a KV cache of 12 blocks of 32 tokens (the 16
     requests need ~60), so the scheduler preempts and recomputes requests. tp > 1: a
     tensor-parallel target (vLLM's mp executor, one process per rank), with the tap's traffic read
-    from every worker. env: extra environment variables."""
-    run = _engine(speculative, k, max(passes, 2), temperature, stress, replica, drafter, tree, retrieval, tp, env)
+    from every worker. env: extra environment variables. adaptive: K by measured speed (moa_adaptive)."""
+    run = _engine(speculative, k, max(passes, 2), temperature, stress, replica, drafter, tree, retrieval, tp, env,
+                  adaptive)
     return run.first_passes(passes) if passes < len(run.passes) else run
 
 
 @cache
-def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env):
+def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive):
     from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
-    config = {"moa": moa(k, drafter, tree, retrieval) if k else None,
+    config = {"moa": moa(k, drafter, tree, retrieval, adaptive) if k else None,
               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}}.get(speculative)
     extra = {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 12, "block_size": 32,
              "enable_chunked_prefill": True, "max_model_len": 320} if stress else {}
@@ -161,7 +163,7 @@ def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree,
     run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
                     temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra},
                     tap_traffic=tp > 1 and config is not None)
-    key = repr((speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env))
+    key = repr((speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive))
     if tp == 1 and not env:  # one engine after another in this worker's host process
         return once_per_session(key, lambda: engine_host().run(run, timeout=900))
     return once_per_session(key, lambda: run_engine(

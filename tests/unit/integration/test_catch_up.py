@@ -58,16 +58,17 @@ class _LSA:
         self.reads_final_hidden = reads_final_hidden
 
 
-def test_only_chains_of_drafters_without_final_hidden_rows_skip_steps(monkeypatch):
+def test_only_drafters_without_final_hidden_rows_skip_steps(monkeypatch):
+    """Chains and trees skip steps without drafts (a tree's first pass feeds its levels only at a
+    step that drafts); drafters whose rows read the target's final hidden states do not."""
     from vllm_moa import envs
     from vllm_moa.integration.moa.catch_up import skips_steps
 
     monkeypatch.delenv("VLLM_MOA_CATCH_UP", raising=False)
-    assert skips_steps(False, _LSA(False))
-    assert not skips_steps(True, _LSA(False))  # trees: their first pass feeds the tree levels
-    assert not skips_steps(False, _LSA(True))  # a skipped step's final hidden states are gone
+    assert skips_steps(_LSA(False))
+    assert not skips_steps(_LSA(True))  # a skipped step's final hidden states are gone
     monkeypatch.setenv("VLLM_MOA_CATCH_UP", "0")
-    assert not envs.VLLM_MOA_CATCH_UP and not skips_steps(False, _LSA(False))
+    assert not envs.VLLM_MOA_CATCH_UP and not skips_steps(_LSA(False))
 
 
 def test_a_skipped_step_sizes_the_flags_from_the_drafter_cache_and_marks_its_slots():

@@ -38,21 +38,21 @@ def test_same_shapes_other_weights_or_no_fingerprint_find_nothing():
         assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("value,tree,schedule,expected", [
-    (None, False, False, True), (None, True, False, False), (None, False, True, False),
-    (False, False, False, False), (True, False, False, True), (False, True, False, False),
+@pytest.mark.parametrize("value,schedule,expected", [
+    (None, False, True), (None, True, False), (False, False, False), (True, False, True), (False, True, False),
 ])
-def test_adaptive_resolution(value, tree, schedule, expected):
-    assert resolve_adaptive(value, tree=tree, user_schedule=schedule) is expected
+def test_adaptive_resolution(value, schedule, expected):
+    """Left out, K follows measured speed unless the user wrote a schedule (chains and trees alike)."""
+    assert resolve_adaptive(value, user_schedule=schedule) is expected
 
 
-@pytest.mark.parametrize("value,tree,schedule,words", [
-    ("yes", False, False, "must be true or false"), (1, False, False, "must be true or false"),
-    (True, True, False, "moa_tree"), (True, False, True, "num_speculative_tokens_per_batch_size"),
+@pytest.mark.parametrize("value,schedule,words", [
+    ("yes", False, "must be true or false"), (1, False, "must be true or false"),
+    (True, True, "num_speculative_tokens_per_batch_size"),
 ])
-def test_adaptive_refusals_name_the_option(value, tree, schedule, words):
+def test_adaptive_refusals_name_the_option(value, schedule, words):
     with pytest.raises(DrafterConfigError, match=words):
-        resolve_adaptive(value, tree=tree, user_schedule=schedule)
+        resolve_adaptive(value, user_schedule=schedule)
 
 
 def test_apply_defaults_fills_only_what_was_left_out():
@@ -69,3 +69,9 @@ def test_apply_defaults_fills_only_what_was_left_out():
     assert (given.model, given.num_speculative_tokens, given.moa_retrieval, given.moa_adaptive) == \
         ("/my/drafter", 2, False, False)
     assert given.num_speculative_tokens_per_batch_size is None and not requested_adaptive(given)
+    tree = SimpleNamespace(model=None, num_speculative_tokens=16, moa_retrieval=None,
+                           moa_tree={"depth": 5, "top_k": 4}, moa_adaptive=None,
+                           num_speculative_tokens_per_batch_size=None)
+    apply_defaults(tree, actual)  # a tree as the README writes it turns itself down too
+    assert tree.moa_adaptive is True and requested_adaptive(tree)
+    assert tree.num_speculative_tokens_per_batch_size == [(1, 1, 16)]

@@ -87,11 +87,12 @@ def chunks(count: int, size: int = CHUNK_TOKENS) -> list[slice]:
     return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
 
-def skips_steps(drafts_trees: bool, lsa: Any) -> bool:
-    """Whether steps without drafts are skipped: chains do unless VLLM_MOA_CATCH_UP=0; not trees
-    (their first pass feeds the tree levels) and not drafters whose rows read the target's final
-    hidden states (lsa.reads_final_hidden: a skipped step's are gone)."""
-    return bool(envs.VLLM_MOA_CATCH_UP) and not drafts_trees and not lsa.reads_final_hidden
+def skips_steps(lsa: Any) -> bool:
+    """Whether steps without drafts are skipped: chains' and trees' (a tree's first pass feeds its
+    levels only at a step that drafts, after the catch-up) unless VLLM_MOA_CATCH_UP=0; not for
+    drafters whose rows read the target's final hidden states (lsa.reads_final_hidden: a skipped
+    step's are gone)."""
+    return bool(envs.VLLM_MOA_CATCH_UP) and not lsa.reads_final_hidden
 
 
 def skip_step(stale: StaleSlots, sa_kv_cache: Tensor, kv_layout: Any, step_slots: Tensor) -> None:

@@ -39,6 +39,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_moa import envs
 from vllm_moa.integration.moa import catch_up, draft_attention, target_layers, tree_levels
 from vllm_moa.integration.moa.draft_model import MoADraftModel
 from vllm_moa.integration.moa.lookup_drafts import LookupDrafting
@@ -135,7 +136,7 @@ class MoAProposer(DraftModelProposer):
     ) -> torch.Tensor:
         cad, view = common_attn_metadata, RunnerView(self._runner)
         # 1. a step without drafts: mark its slots stale (catch_up.py)
-        if num_speculative_tokens == 0 and catch_up.skips_steps(self.trees is not None, self.moa_model().lsa):
+        if num_speculative_tokens == 0 and catch_up.skips_steps(self.moa_model().lsa):
             catch_up.skip_step(self.stale_slots, self.moa_model().model.sa.attn.kv_cache, self._kv_layout,
                                cad.slot_mapping[: target_positions.shape[0]])
             self._last_draft_probs = None
@@ -152,7 +153,7 @@ class MoAProposer(DraftModelProposer):
         # 4. lookup drafts (lookup_drafts.py): the requests that draft from lookup this step
         lookups = None if self.lookups is None else self.lookups.plan(
             view, target_token_ids, next_token_ids, starts, num_rejected_tokens_gpu, num_speculative_tokens)
-        drafting_steps = 1 if self.trees is not None else num_speculative_tokens
+        drafting_steps = min(1, num_speculative_tokens) if self.trees is not None else num_speculative_tokens
         if lookups is not None and lookups.every_row:
             drafting_steps = 0  # the first pass only: it keeps SA's KV cache in step (as vLLM's dynamic K=0)
         # 5. vLLM's draft-model loop: the first pass (+ K - 1 chain steps)
@@ -173,6 +174,8 @@ class MoAProposer(DraftModelProposer):
             # tree nodes are deterministic top-k children (point masses): no draft distribution for
             # vLLM's rejection sampler, which verifies the steps that fall back to chains
             self._last_draft_probs = None
+            if num_speculative_tokens == 0:  # K = 0 with VLLM_MOA_CATCH_UP=0: the first pass alone
+                return first_pass
             return self.grow_trees(next_token_ids, num_speculative_tokens, lookups, tree_spec, view.req_ids)
         finally:
             self._num_rejected = None
@@ -213,6 +216,15 @@ class MoAProposer(DraftModelProposer):
         if self.trees is not None:
             self.trees.plan(RunnerView(runner), scheduler_output,
                             frozenset(layer.layer_name for layer in self._target_layers), self._kv_layout)
+
+    def verify_metadata(self, spec_decode_metadata: Any) -> Any:
+        """RunnerSamplePatch's hook: what vLLM's `_sample` sees. A step in which no request has
+        drafts is sampled by vLLM's own sampler (None), as in an engine without speculation,
+        instead of its rejection sampler over zero draft rows (runner_sample.py); with
+        VLLM_MOA_PLAIN_SAMPLER=0, as vLLM does."""
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0 and envs.VLLM_MOA_PLAIN_SAMPLER:
+            return None
+        return spec_decode_metadata
 
     def accept_tree_step(self, runner: Any, logits: torch.Tensor, spec_decode_metadata: Any, sampler_output: Any) -> None:
         """RunnerSamplePatch's hook: accept along this step's trees."""

@@ -26,6 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_moa.integration.serve.request_stream import replay
+
 # vLLM's metric names (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py)
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -33,6 +35,18 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 PREEMPTIONS = "vllm:num_preemptions"
+INTER_TOKEN = "vllm:inter_token_latency_seconds"  # per request and step: the time between its outputs
+
+
+class RequestStreamSpec(BaseModel):
+    """Requests arriving one by one (request_stream.py): prompt i added at arrivals[i] seconds from
+    the stream's start, generating max_tokens[i] tokens (greedy unless the run says otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate: float = Field(gt=0)  # requests per second the arrivals were drawn at (reported back)
+    arrivals: list[float]
+    max_tokens: list[int]
 
 
 class EngineRun(BaseModel):
@@ -54,6 +68,10 @@ class EngineRun(BaseModel):
     # once; c: consecutive groups of c, each generated to the end before the next: concurrency c).
     # Later passes over the same prompts hit the prefix cache.
     passes: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    # per pass: how many of the prompts it runs (the first n; default: all of them)
+    pass_prompts: list[int] | None = None
+    # request streams over the prompts, after the passes (one entry per stream)
+    streams: list[RequestStreamSpec] = Field(default_factory=list)
     # EngineArgs keywords (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     # num_gpu_blocks_override, enable_prefix_caching, tensor_parallel_size, ...); enforce_eager
     # and disable_log_stats=False are set unless given.
@@ -98,6 +116,19 @@ class PassResult(BaseModel):
     spec_decode: SpecDecodeCounters  # of this pass alone
     prefix_cache_hits: int = 0  # tokens, this pass alone
     preemptions: int = 0  # this pass alone
+    inter_token_seconds: float | None = None  # vLLM's mean time between a request's outputs, this pass
+
+
+class StreamResult(BaseModel):
+    """A request stream's outcome, per request in seconds from the stream's start."""
+
+    rate: float
+    arrival: list[float]
+    first_token: list[float]
+    finished: list[float]
+    outputs: list[list[int]]
+    seconds: float
+    spec_decode: SpecDecodeCounters  # of this stream alone
 
 
 class EngineResult(BaseModel):
@@ -111,6 +142,7 @@ class EngineResult(BaseModel):
     tap_traffic: list[dict[str, Any]] = Field(default_factory=list)  # per worker (EngineRun.tap_traffic)
     # the speculative config as the engine resolved it (for "moa": the options the plugin filled in)
     speculative_config: dict[str, Any] = Field(default_factory=dict)
+    streams: list[StreamResult] = Field(default_factory=list)
 
     def first_passes(self, n: int) -> EngineResult:
         """This run as if it had stopped after its first `n` passes (each pass's requests are
@@ -158,6 +190,14 @@ def spec_decode_counters(metrics: list) -> SpecDecodeCounters:
     return counters
 
 
+def histogram_totals(metrics: list, name: str) -> tuple[float, int]:
+    """(sum, count) of a vLLM histogram in LLM.get_metrics()."""
+    from vllm.v1.metrics.reader import Histogram
+
+    found = [m for m in metrics if isinstance(m, Histogram) and m.name == name]
+    return sum(float(m.sum) for m in found), sum(int(m.count) for m in found)
+
+
 def counter_total(metrics: list, name: str) -> int:
     from vllm.v1.metrics.reader import Counter
 
@@ -189,14 +229,19 @@ def execute(run: EngineRun) -> EngineResult:
         wants_logprobs = any(more.get("logprobs") is not None for more in extra)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
         passes, before, hits_before, preempted_before = [], SpecDecodeCounters(), 0, 0
-        for group in run.passes:
-            size = group or len(prompts)
+        itl_before = (0.0, 0)
+        sizes = run.pass_prompts or [len(prompts)] * len(run.passes)
+        if len(sizes) != len(run.passes) or not all(0 < n <= len(prompts) for n in sizes):
+            raise ValueError(f"pass_prompts needs one count in 1..{len(prompts)} per pass, got {sizes}")
+        for group, count in zip(run.passes, sizes):
+            size = group or count
             outputs: list[list[int]] = []
             completions: list[list[list[int]]] = []
             logprobs: list[list[float] | None] = []
             start = time.perf_counter()
-            for first in range(0, len(prompts), size):
-                done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
+            for first in range(0, count, size):
+                last = min(first + size, count)
+                done = llm.generate(prompts[first:last], sampling[first:last], use_tqdm=False)
                 outputs += [list(o.outputs[0].token_ids) for o in done]
                 completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
                 logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
@@ -204,10 +249,18 @@ def execute(run: EngineRun) -> EngineResult:
             metrics = llm.get_metrics()
             after, hits, preempted = (spec_decode_counters(metrics), counter_total(metrics, PREFIX_CACHE_HITS),
                                       counter_total(metrics, PREEMPTIONS))
-            passes.append(PassResult(concurrency=min(size, len(prompts)), outputs=outputs, completions=completions,
+            itl = histogram_totals(metrics, INTER_TOKEN)
+            steps = itl[1] - itl_before[1]
+            passes.append(PassResult(concurrency=min(size, count), outputs=outputs, completions=completions,
                                      logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before),
-                                     prefix_cache_hits=hits - hits_before, preemptions=preempted - preempted_before))
-            before, hits_before, preempted_before = after, hits, preempted
+                                     prefix_cache_hits=hits - hits_before, preemptions=preempted - preempted_before,
+                                     inter_token_seconds=(itl[0] - itl_before[0]) / steps if steps else None))
+            before, hits_before, preempted_before, itl_before = after, hits, preempted, itl
+        streams = []
+        for stream in run.streams:
+            streams.append(run_stream(llm, prompts, sampling, stream))
+            after = spec_decode_counters(llm.get_metrics())
+            streams[-1].spec_decode, before = after.minus(before), after
         metrics = llm.get_metrics()
         traffic = []
         if run.tap_traffic:
@@ -218,10 +271,25 @@ def execute(run: EngineRun) -> EngineResult:
             passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
             prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
             preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
-            speculative_config=resolved,
+            speculative_config=resolved, streams=streams,
         )
     finally:
         shutdown(llm)
+
+
+def run_stream(llm: Any, prompts: list[Any], sampling: list[Any], stream: RequestStreamSpec) -> StreamResult:
+    """One request stream over the first len(stream.arrivals) prompts, each with its own max_tokens."""
+    count = len(stream.arrivals)
+    if len(stream.max_tokens) != count or count > len(prompts):
+        raise ValueError(f"a stream needs one max_tokens per arrival and at most {len(prompts)} arrivals, got "
+                         f"{len(stream.max_tokens)} and {count}")
+    params = [p.clone() for p in sampling[:count]]
+    for p, tokens in zip(params, stream.max_tokens):
+        p.max_tokens = tokens
+    times = replay(llm, prompts[:count], params, stream.arrivals, tag=f"stream{stream.rate:g}")
+    return StreamResult(rate=stream.rate, arrival=times.arrival, first_token=times.first_token,
+                        finished=times.finished, outputs=times.outputs, seconds=times.seconds,
+                        spec_decode=SpecDecodeCounters())
 
 
 def shutdown(llm: Any) -> None:

@@ -228,6 +228,8 @@ def requested_chain_if_faster(speculative_config: Any) -> bool:
 
 # -- retrieval (lookup drafts beside the model's) ------------------------------------------------
 RETRIEVAL_FIELD = "moa_retrieval"  # speculative_config key (patches.RetrievalFieldPatch declares it)
+ADAPTIVE_FIELD = "moa_adaptive"  # speculative_config key (patches.AdaptiveFieldPatch declares it)
+SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"  # vLLM's own K by batch size
 RETRIEVAL_IN_VLLM = ("max_ngram", "min_ngram", "branches", "alone_at")  # extra_nodes: the budget is fixed
 
 
@@ -258,9 +260,12 @@ def requested_retrieval(speculative_config: Any) -> Any:
 
 
 def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
-    """vLLM options that act on chain verification and that draft trees do not take (yet)."""
+    """vLLM options that act on chain verification and that draft trees do not take (yet). A
+    schedule of the user's is one; the mark moa_adaptive sets (moa_defaults.apply_defaults: K by
+    measured speed, the tree cut to its first K nodes) is not."""
+    adaptive = getattr(speculative_config, ADAPTIVE_FIELD, None) is True
     chain_only = {
-        "num_speculative_tokens_per_batch_size": getattr(speculative_config, "num_speculative_tokens_per_batch_size", None),
+        SCHEDULE_FIELD: None if adaptive else getattr(speculative_config, SCHEDULE_FIELD, None),
         "rejection_sample_method": getattr(speculative_config, "rejection_sample_method", "standard") != "standard",
         "kv_transfer_config": kv_transfer_config,
     }

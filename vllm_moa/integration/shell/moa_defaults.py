@@ -7,9 +7,11 @@ measured inside vLLM's engine, so that `{"method": "moa"}` alone is the configur
                              docs/results.md)
     moa_retrieval            {} (lookup drafts merged into the model's; `false` turns it off):
                              never slower than MoA alone in vLLM's CPU engine, at concurrency 1 and 16
-    moa_adaptive             true for chains without a schedule of the user's: K per batch size,
-                             0 included, chosen from measured tokens per second (adaptive_k.py);
-                             `false` drafts K at every step
+    moa_adaptive             true without a schedule of the user's: K per batch size, 0 included,
+                             chosen from measured tokens per second (adaptive_k.py); for a tree
+                             (moa_tree) K is its node budget at most, K < budget drafts the
+                             tree's first K nodes in preorder (a chain along its best children
+                             when K <= depth); `false` drafts K (the whole tree) at every step
 
 No vLLM import here: the functions take plain values and the SpeculativeConfig being built.
 """
@@ -20,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, read_drafter_config
-from vllm_moa.integration.shell.draft_config import RETRIEVAL_FIELD, TREE_FIELD
+from vllm_moa.integration.shell.draft_config import ADAPTIVE_FIELD, RETRIEVAL_FIELD, SCHEDULE_FIELD
 from vllm_moa.shipped import MOA_DRAFTERS, SHIPPED, SHIPPED_SMOLLM2
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-ADAPTIVE_FIELD = "moa_adaptive"  # speculative_config key (patches.AdaptiveFieldPatch declares it)
 # the defaults turned off: MoA's drafts alone, K at every step (benchmarks' and tests' "moa K=k")
 MOA_ALONE = {RETRIEVAL_FIELD: False, ADAPTIVE_FIELD: False}
-SCHEDULE_FIELD = "num_speculative_tokens_per_batch_size"  # vLLM's own K by batch size
 TRAIN_HINT = ("train one for it (`vllm-moa train --target <target dir> --prompts <prompts.jsonl>`) and pass "
               "its directory as \"model\"")
 
@@ -57,19 +57,16 @@ def shipped_drafter_for(actual: Any) -> Path:
         f"{actual.vocab_size}); {TRAIN_HINT}")
 
 
-def resolve_adaptive(value: Any, *, tree: bool, user_schedule: bool) -> bool:
-    """moa_adaptive as given (None: left out) -> whether K follows measured speed; refuses what
-    cannot be honoured, naming it."""
+def resolve_adaptive(value: Any, *, user_schedule: bool) -> bool:
+    """moa_adaptive as given (None: left out) -> whether K follows measured speed (chains and
+    trees alike); refuses what cannot be honoured, naming it."""
     if value is not None and not isinstance(value, bool):
         raise DrafterConfigError(f"{ADAPTIVE_FIELD} must be true or false, got {value!r}")
-    if value is True and tree:
-        raise DrafterConfigError(f"{ADAPTIVE_FIELD} chooses a chain's K per batch size; a tree ({TREE_FIELD}) has "
-                                 "its own choice (moa_tree.chain_if_faster): drop one of them")
     if value is True and user_schedule:
         raise DrafterConfigError(f"{ADAPTIVE_FIELD} measures K per batch size; {SCHEDULE_FIELD} writes it: "
                                  "drop one of them")
     if value is None:
-        return not tree and not user_schedule
+        return not user_schedule
     return value
 
 
@@ -83,8 +80,7 @@ def apply_defaults(speculative_config: Any, actual: Any) -> None:
         spec.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
     if getattr(spec, RETRIEVAL_FIELD, None) is None:
         setattr(spec, RETRIEVAL_FIELD, {})
-    tree = getattr(spec, TREE_FIELD, None) is not None
-    adaptive = resolve_adaptive(getattr(spec, ADAPTIVE_FIELD, None), tree=tree,
+    adaptive = resolve_adaptive(getattr(spec, ADAPTIVE_FIELD, None),
                                 user_schedule=getattr(spec, SCHEDULE_FIELD, None) is not None)
     setattr(spec, ADAPTIVE_FIELD, adaptive)
     if adaptive:

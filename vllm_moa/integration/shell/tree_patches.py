@@ -8,7 +8,8 @@ so other requests and drafters are untouched.
       TritonTreeAttentionPatch  TritonAttentionImpl.forward     the same on GPUs (Triton tree kernel)
       FlashTreeAttentionPatch   FlashAttentionImpl.forward      the same on GPUs (Triton tree kernel)
     RunnerSamplePatch         GPUModelRunner._sample            accept along the tree; the path's KV to
-                                                                the chain's slots
+                                                                the chain's slots (runner_sample.py,
+                                                                applied in every "moa" engine)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from vllm_moa.integration.shell import compat
 from vllm_moa.integration.shell.patching import VllmPatch
+from vllm_moa.integration.shell.runner_sample import RunnerSamplePatch
 
 
 class RunnerPrepareInputsPatch(VllmPatch):
@@ -42,27 +44,6 @@ class RunnerPrepareInputsPatch(VllmPatch):
             return result
 
         setattr(owner, attr, _prepare_inputs)
-
-
-class RunnerSamplePatch(VllmPatch):
-    """After the V1 runner's `_sample` (vLLM's rejection sampler, chains), the drafter may accept
-    the step's trees instead (MoAProposer.accept_tree_step -> moa/tree_drafts.py)."""
-
-    symbol = "runner_sample"
-
-    @classmethod
-    def _patch(cls, owner: Any, attr: str) -> None:
-        original = getattr(owner, attr)
-
-        @functools.wraps(original)
-        def _sample(self, logits, spec_decode_metadata):
-            output = original(self, logits, spec_decode_metadata)
-            accept = getattr(getattr(self, "drafter", None), "accept_tree_step", None)
-            if accept is not None:
-                accept(self, logits, spec_decode_metadata, output)
-            return output
-
-        setattr(owner, attr, _sample)
 
 
 class _TreeAttentionPatch(VllmPatch):

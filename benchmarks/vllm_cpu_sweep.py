@@ -1,0 +1,229 @@
+"""The day a server sees: vLLM's CPU engine on SmolLM2 at concurrency 1 to 64 and under request
+streams (Poisson arrivals at three rates), for every way a user can turn speculation on, against
+no speculation measured first and last in every round.
+
+    python -m benchmarks.vllm_cpu_sweep                          # 3 rounds: about 50 min on 2 cores
+    python -m benchmarks.vllm_cpu_sweep --rounds 1 --concurrency 1 16 --rates 2 --out F.json   # a look
+
+Configurations: `{"method": "moa"}` as a user writes it; the tree the README shows
+(`moa_tree: {"depth": 5, "top_k": 4}`, 16 nodes); MoA alone at K = 4 fixed; vLLM's own
+`num_speculative_tokens_per_batch_size` schedule on MoA + lookup (K = 4 up to 4 requests, 0
+above); vLLM's n-gram (K = 3). A round runs "none", every configuration in an order rotated from
+round to round, then "none" again; each is a fresh engine (one `vllm.LLM`, engines one after
+another in one child process: engine_host.py), enforce_eager, fp32, greedy, ignore_eos.
+
+Inside an engine: a warm-up pass, then one pass per concurrency c: the first max(c,
+--min-prompts) held-out chat prompts (repeated beyond the 16 shipped), in groups of c, each
+group generated to the end before the next; then the streams: --stream-requests requests, each
+added at its Poisson arrival time (seeded, the same for every engine) with its own answer length
+(uniform in --stream-tokens, seeded), while the engine runs the earlier ones
+(integration/serve/request_stream.py).
+
+Reported per configuration and point, over the rounds: tokens/s over the mean of that round's two
+"none" engines (the median of the rounds, and every round's ratio), vLLM's mean time between a
+request's outputs (the per-step timing of the pass), acceptance length; for streams, the mean
+request latency and time per output token over "none"'s. Every output is checked equal to "none"'s.
+Writes benchmarks/results/vllm_cpu_sweep_smollm2.{json,png} with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts  # noqa: E402
+from vllm_moa.integration.serve.engine_host import EngineHost  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineResult, EngineRun, RequestStreamSpec  # noqa: E402
+from vllm_moa.integration.serve.request_stream import poisson_arrivals  # noqa: E402
+from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
+from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
+
+NONE = "none"
+CONFIGS: dict[str, dict] = {
+    "moa (defaults)": {"method": "moa"},
+    "moa tree (README)": {"method": "moa", "num_speculative_tokens": 16, "moa_tree": {"depth": 5, "top_k": 4}},
+    "moa K=4 fixed": {"method": "moa", "num_speculative_tokens": 4, **MOA_ALONE},
+    "moa, vLLM's K by batch size": {"method": "moa", "num_speculative_tokens": 4,
+                                    "num_speculative_tokens_per_batch_size": [[1, 4, 4], [5, 1024, 0]]},
+    "ngram K=3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+}
+
+
+def build_run(target: str, config: dict | None, prompts: list[list[int]], args: argparse.Namespace,
+              streams: list[RequestStreamSpec]) -> EngineRun:
+    counts = [max(c, args.min_prompts) for c in args.concurrency]
+    return EngineRun(target=target, speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
+                     passes=[16, *args.concurrency], pass_prompts=[16, *counts], streams=streams,
+                     engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": max(args.concurrency),
+                             "skip_tokenizer_init": True})
+
+
+def stream_specs(args: argparse.Namespace) -> list[RequestStreamSpec]:
+    rng = random.Random(1234)
+    lengths = [rng.randint(*args.stream_tokens) for _ in range(args.stream_requests)]
+    return [RequestStreamSpec(rate=rate, arrivals=poisson_arrivals(rate, args.stream_requests, seed=index),
+                              max_tokens=lengths) for index, rate in enumerate(args.rates)]
+
+
+def point_record(result: EngineResult, args: argparse.Namespace) -> dict:
+    """What one engine measured: per concurrency and per stream."""
+    passes = {}
+    for done in result.passes[1:]:
+        tokens = sum(len(o) for o in done.outputs)
+        passes[str(done.concurrency)] = {
+            "tokens_per_s": tokens / done.seconds, "seconds": done.seconds,
+            "inter_token_seconds": done.inter_token_seconds, "drafts": done.spec_decode.drafts,
+            "acceptance_length": done.spec_decode.acceptance_length if done.spec_decode.drafts else None,
+            "outputs": done.outputs}
+    streams = {}
+    for stream in result.streams:
+        latency = [f - a for f, a in zip(stream.finished, stream.arrival)]
+        tpot = [(f - t) / max(1, len(o) - 1) for f, t, o in zip(stream.finished, stream.first_token, stream.outputs)]
+        streams[f"{stream.rate:g}"] = {
+            "mean_latency_s": statistics.mean(latency), "mean_time_per_output_token_s": statistics.mean(tpot),
+            "mean_time_to_first_token_s": statistics.mean(t - a for t, a in zip(stream.first_token, stream.arrival)),
+            "seconds": stream.seconds, "drafts": stream.spec_decode.drafts,
+            "acceptance_length": stream.spec_decode.acceptance_length if stream.spec_decode.drafts else None,
+            "outputs": stream.outputs}
+    return {"passes": passes, "streams": streams, "startup_seconds": result.startup_seconds,
+            "speculative_config": result.speculative_config}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--min-prompts", type=int, default=6, help="requests per pass at least (low concurrency)")
+    parser.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="stream rates, requests/s")
+    parser.add_argument("--stream-requests", type=int, default=24)
+    parser.add_argument("--stream-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_cpu_sweep_smollm2.json")
+    args = parser.parse_args()
+
+    from vllm_moa.targets import fetch_smollm2
+
+    origin = provenance()
+    target = str(fetch_smollm2())
+    heldout = heldout_prompts_file(SHIPPED_SMOLLM2 / "moa-tli0")
+    base = load_prompts(Path(target), None, 16, 128, heldout)
+    needed = max(max(args.concurrency), args.min_prompts, args.stream_requests, 16)
+    prompts = [base[i % len(base)] for i in range(needed)]
+    streams = stream_specs(args)
+    engines = []  # (round, position, name, record)
+    with EngineHost(env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}) as host:
+        for round_index in range(args.rounds):
+            shift = round_index % len(args.configs)
+            order = [NONE, *args.configs[shift:], *args.configs[:shift], NONE]
+            for position, name in enumerate(tqdm(order, desc=f"round {round_index + 1}/{args.rounds}", file=sys.stderr)):
+                config = None if name == NONE else CONFIGS[name]
+                result = host.run(build_run(target, config, prompts, args, streams), timeout=3600)
+                engines.append({"round": round_index, "position": position, "name": name, **point_record(result, args)})
+    rows = summarize(engines, args)
+    report = {
+        "benchmark": "vllm_cpu_sweep", "target": target, "prompts": str(heldout), "configs": CONFIGS,
+        "concurrency": args.concurrency, "rounds": args.rounds, "max_tokens": args.max_tokens,
+        "prompts_per_pass": {str(c): max(c, args.min_prompts) for c in args.concurrency},
+        "prompt_tokens": [len(p) for p in base],
+        "streams": [s.model_dump() for s in streams], "rows": rows,
+        "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True,
+                   "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+        "provenance": origin,
+        "engines": strip_outputs(engines),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    plot(rows, args, args.out.with_suffix(".png"))
+    for row in rows:
+        print(f"{row['config']:>30} {row['point']:>10}  x{row['speedup']:.2f} "
+              f"({min(row['round_speedups']):.2f}-{max(row['round_speedups']):.2f})  same={row['equals_no_speculation']}")
+    print(f"wrote {args.out}")
+    differing = sorted({f"{r['config']} {r['point']}" for r in rows if not r["equals_no_speculation"]})
+    if differing:
+        print(f"FAILED: output differs from no speculation's: {', '.join(differing)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def points(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(label, section, key): concurrency passes, then streams."""
+    return ([(f"c={c}", "passes", str(c)) for c in args.concurrency]
+            + [(f"{r:g} req/s", "streams", f"{r:g}") for r in args.rates])
+
+
+def speed(measured: dict, section: str) -> float:
+    """Higher is faster: tokens/s for passes, 1 / mean latency for streams."""
+    return measured["tokens_per_s"] if section == "passes" else 1.0 / measured["mean_latency_s"]
+
+
+def summarize(engines: list[dict], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    reference = next(e for e in engines if e["name"] == NONE)
+    for name in [NONE, *args.configs]:
+        for label, section, key in points(args):
+            per_round = []
+            for round_index in range(args.rounds):
+                nones = [e for e in engines if e["round"] == round_index and e["name"] == NONE]
+                base = statistics.mean(speed(e[section][key], section) for e in nones)
+                mine = [e for e in engines if e["round"] == round_index and e["name"] == name]
+                per_round += [(speed(e[section][key], section) / base, e) for e in mine]
+            ratios = [r for r, _ in per_round]
+            runs = [e[section][key] for _, e in per_round]
+            rows.append({
+                "config": name, "point": label, "section": section, "speedup": statistics.median(ratios),
+                "round_speedups": ratios,
+                "acceptance_length": [m["acceptance_length"] for m in runs],
+                "drafts": [m["drafts"] for m in runs],
+                "inter_token_seconds": [m.get("inter_token_seconds") for m in runs],
+                "mean_time_per_output_token_s": [m.get("mean_time_per_output_token_s") for m in runs],
+                "equals_no_speculation": all(m["outputs"] == reference[section][key]["outputs"] for m in runs),
+            })
+    return rows
+
+
+def strip_outputs(engines: list[dict]) -> list[dict]:
+    def without(section: dict) -> dict:
+        return {k: {f: v for f, v in m.items() if f != "outputs"} for k, m in section.items()}
+
+    return [{**e, "passes": without(e["passes"]), "streams": without(e["streams"])} for e in engines]
+
+
+def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
+    fig, (ax_c, ax_s) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for index, name in enumerate([NONE, *args.configs]):
+        style = {"marker": "o", "label": name, "color": f"C{index}"}
+        for ax, section, xs in ((ax_c, "passes", args.concurrency), (ax_s, "streams", args.rates)):
+            sel = [r for r in rows if r["config"] == name and r["section"] == section]
+            if not sel:
+                continue
+            ys = [r["speedup"] for r in sel]
+            ax.plot(xs, ys, **style)
+            ax.fill_between(xs, [min(r["round_speedups"]) for r in sel], [max(r["round_speedups"]) for r in sel],
+                            color=f"C{index}", alpha=0.15)
+    for ax, title, xlabel in ((ax_c, "tokens/s over no speculation's", "concurrency"),
+                              (ax_s, "streams: 1 / mean request latency over none's", "arrival rate, requests/s")):
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(0.98, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=10)
+    ax_c.legend(fontsize=8)
+    fig.suptitle(f"vLLM CPU engine, SmolLM2, greedy fp32: median of {args.rounds} rounds (band: every round), "
+                 "none = mean of a round's first and last engine", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
