@@ -50,6 +50,17 @@ def test_small_batches_draft_and_large_ones_turn_drafting_down():
     assert sum(k == 0 for k in sixteens[-100:]) > 80
 
 
+def test_a_batch_size_above_one_that_settled_on_k_0_starts_at_k_0():
+    """Batch 16 priced at both ends settles on K = 0; batch 64 (no priced batch size within a
+    factor of 2 to borrow from) then starts at K = 0 instead of pricing K = max_k first, which
+    costs most there; a smaller batch size (4) still prices max_k first."""
+    engine = Engine(lambda b, k: 0.01 * b ** 0.5 * (1 + 0.9 * k), accepts_two)
+    sixteens = [engine.step(16) for _ in range(60)]
+    assert sixteens[:6] == [3, 3, 3, 0, 0, 0] and engine.table.verdict[16] == 0
+    assert [engine.step(64) for _ in range(30)] == [0] * 30
+    assert [engine.step(4) for _ in range(3)] == [3, 3, 3]
+
+
 def test_drafting_probes_cost_at_most_the_budget_when_catching_up_is_dear():
     """While K = 0 pays at batch 16, a drafting probe's first step also catches the drafter up (10
     K = 0 steps' time here): probes then wait until the K = 0 time since the last one is 1 /

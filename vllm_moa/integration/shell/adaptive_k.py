@@ -11,6 +11,8 @@ config with `moa_adaptive` (on by default for chains: moa_defaults.py) that tabl
   the engine loop's schedule, forward, drafting and bookkeeping);
 * a K is kept for `hold` steps at a batch size, and only steps that verify the drafts of the K
   they draft are priced (a step verifies the previous step's drafts and drafts its own);
+* a batch size above one priced at both ends whose verdict is K = 0 starts at K = 0 (drafting
+  pays less, not more, with more requests beside it) and is priced from there;
 * per batch size B, a step's time: K = 0 steps on their own, drafting steps fitted as c + s * K
   (decoding.speed_control's WeightedLinearFit; K = max_k and K = 0 are priced first, so a K in
   between costs as much as K = max_k until it is priced itself); what a step
@@ -114,6 +116,8 @@ class AdaptiveK:
         priced = self.priced.get(batch, set())
         fit = self.cost[batch] if {0, self.max_k} <= priced else self._nearest_fit(batch)
         if fit is None:
+            if self._no_drafts_below(batch):  # drafting did not pay with fewer requests: nor here
+                return 0, False
             return (self.max_k if self.max_k not in priced else 0), False
         best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
         every = self.probe_every.setdefault(batch, self.min_probe_every)
@@ -143,6 +147,14 @@ class AdaptiveK:
         plain = self.cost[batch].predict(0) * window.steps
         self.probe_cost[batch] = max(0.0, window.seconds - plain)
         self.plain_seconds[batch] = 0.0
+
+    def _no_drafts_below(self, batch: int) -> bool:
+        """Whether a smaller batch size, priced at both ends, settled on K = 0. What drafting buys a
+        request does not grow with the requests beside it, and what verifying costs does, so a
+        batch size above one where drafting did not pay starts at K = 0 instead of paying for
+        `hold` steps at max_k to find out (they cost most at the largest batches)."""
+        return any(b < batch and k == 0 and {0, self.max_k} <= self.priced.get(b, set())
+                   for b, k in self.verdict.items())
 
     def _nearest_fit(self, batch: int) -> StepCost | None:
         near = [b for b, ks in self.priced.items() if {0, self.max_k} <= ks and abs(math.log(b / batch)) <= math.log(2)]
