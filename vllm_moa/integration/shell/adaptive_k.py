@@ -3,7 +3,7 @@ chosen from the tokens per second the engine measures, so that no user writes a 
 
 vLLM's scheduler looks K up per step in a dense table indexed by the batch size
 (`Scheduler.dynamic_sd_lookup`, built from `num_speculative_tokens_per_batch_size`). For a "moa"
-config with `moa_adaptive` (on by default for chains: moa_defaults.py) that table is replaced by
+config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) that table is replaced by
 `AdaptiveK`, which answers the same lookup from measurements:
 
 * each step over B requests that only decode is priced: the tokens it produced (every request's

@@ -15,7 +15,7 @@ listed here too.
                                                                 "moa" keeps the V1 model runner (0.32
                                                                 would pick V2 on GPUs)
     AdaptiveFieldPatch        SpeculativeConfig.moa_adaptive    K per batch size by measured speed (default
-                                                                for chains: moa_defaults.py)
+                                                                for chains and trees: moa_defaults.py)
     SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
                                                                 written (adaptive_k.py)
   draft trees (the method: integration/moa/tree_verification.py; the last two, tree_patches.py, and
@@ -276,7 +276,7 @@ class RetrievalFieldPatch(_OptionalFieldPatch):
 
 
 class AdaptiveFieldPatch(_OptionalFieldPatch):
-    """SpeculativeConfig.moa_adaptive (true / false, default None: true for chains without a
+    """SpeculativeConfig.moa_adaptive (true / false, default None: true for chains and trees without a
     schedule of the user's): K per batch size by measured speed (adaptive_k.py)."""
 
     symbol = "speculative_moa_adaptive"
