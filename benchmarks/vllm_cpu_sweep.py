@@ -76,7 +76,7 @@ def stream_specs(args: argparse.Namespace) -> list[RequestStreamSpec]:
                               max_tokens=lengths) for index, rate in enumerate(args.rates)]
 
 
-def point_record(result: EngineResult, args: argparse.Namespace) -> dict:
+def point_record(result: EngineResult) -> dict:
     """What one engine measured: per concurrency and per stream."""
     passes = {}
     for done in result.passes[1:]:
@@ -130,7 +130,7 @@ def main() -> None:
             for position, name in enumerate(tqdm(order, desc=f"round {round_index + 1}/{args.rounds}", file=sys.stderr)):
                 config = None if name == NONE else CONFIGS[name]
                 result = host.run(build_run(target, config, prompts, args, streams), timeout=3600)
-                engines.append({"round": round_index, "position": position, "name": name, **point_record(result, args)})
+                engines.append({"round": round_index, "position": position, "name": name, **point_record(result)})
     rows = summarize(engines, args)
     report = {
         "benchmark": "vllm_cpu_sweep", "target": target, "prompts": str(heldout), "configs": CONFIGS,

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_moa.integration.serve.request_stream import replay
+from vllm_moa.integration.serve.request_stream import StreamTimes, replay
 
 # vLLM's metric names (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py)
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -119,15 +119,10 @@ class PassResult(BaseModel):
     inter_token_seconds: float | None = None  # vLLM's mean time between a request's outputs, this pass
 
 
-class StreamResult(BaseModel):
-    """A request stream's outcome, per request in seconds from the stream's start."""
+class StreamResult(StreamTimes):
+    """A request stream's outcome (StreamTimes: per request, in seconds from the stream's start)."""
 
     rate: float
-    arrival: list[float]
-    first_token: list[float]
-    finished: list[float]
-    outputs: list[list[int]]
-    seconds: float
     spec_decode: SpecDecodeCounters  # of this stream alone
 
 
@@ -258,9 +253,10 @@ def execute(run: EngineRun) -> EngineResult:
             before, hits_before, preempted_before, itl_before = after, hits, preempted, itl
         streams = []
         for stream in run.streams:
-            streams.append(run_stream(llm, prompts, sampling, stream))
+            times = run_stream(llm, prompts, sampling, stream)
             after = spec_decode_counters(llm.get_metrics())
-            streams[-1].spec_decode, before = after.minus(before), after
+            streams.append(StreamResult(**times.model_dump(), rate=stream.rate, spec_decode=after.minus(before)))
+            before = after
         metrics = llm.get_metrics()
         traffic = []
         if run.tap_traffic:
@@ -277,7 +273,7 @@ def execute(run: EngineRun) -> EngineResult:
         shutdown(llm)
 
 
-def run_stream(llm: Any, prompts: list[Any], sampling: list[Any], stream: RequestStreamSpec) -> StreamResult:
+def run_stream(llm: Any, prompts: list[Any], sampling: list[Any], stream: RequestStreamSpec) -> StreamTimes:
     """One request stream over the first len(stream.arrivals) prompts, each with its own max_tokens."""
     count = len(stream.arrivals)
     if len(stream.max_tokens) != count or count > len(prompts):
@@ -286,10 +282,7 @@ def run_stream(llm: Any, prompts: list[Any], sampling: list[Any], stream: Reques
     params = [p.clone() for p in sampling[:count]]
     for p, tokens in zip(params, stream.max_tokens):
         p.max_tokens = tokens
-    times = replay(llm, prompts[:count], params, stream.arrivals, tag=f"stream{stream.rate:g}")
-    return StreamResult(rate=stream.rate, arrival=times.arrival, first_token=times.first_token,
-                        finished=times.finished, outputs=times.outputs, seconds=times.seconds,
-                        spec_decode=SpecDecodeCounters())
+    return replay(llm, prompts[:count], params, stream.arrivals, tag=f"stream{stream.rate:g}")
 
 
 def shutdown(llm: Any) -> None:

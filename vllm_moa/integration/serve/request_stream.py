@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 
 def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
@@ -29,16 +30,15 @@ def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
     return times
 
 
-@dataclass
-class StreamTimes:
+class StreamTimes(BaseModel):
     """Per request, in seconds from the stream's start: when it was added, when its first token
     came out and when it finished; its token ids; the stream's wall time."""
 
-    arrival: list[float] = field(default_factory=list)
-    first_token: list[float] = field(default_factory=list)
-    finished: list[float] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-    seconds: float = 0.0
+    arrival: list[float]
+    first_token: list[float]
+    finished: list[float]
+    outputs: list[list[int]]
+    seconds: float
 
 
 def replay(llm: Any, prompts: list[Any], sampling: list[Any], arrivals: list[float], tag: str = "stream") -> StreamTimes:

@@ -118,13 +118,14 @@ class SpeculativePostInitPatch(VllmPatch):
         @functools.wraps(original)
         def __post_init__(self):  # noqa: N807
             from vllm_moa.integration.shell.draft_config import (
+                ADAPTIVE_FIELD,
                 RETRIEVAL_FIELD,
                 TREE_FIELD,
                 check_tree_setup,
                 retrieval_options,
                 tree_spec,
             )
-            from vllm_moa.integration.shell.moa_defaults import ADAPTIVE_FIELD, apply_defaults
+            from vllm_moa.integration.shell.moa_defaults import apply_defaults
 
             moa_tree = getattr(self, TREE_FIELD, None)
             if self.method != compat.METHOD:
