@@ -446,3 +446,26 @@ def test_k_by_batch_size_drafts_only_where_the_schedule_says_and_keeps_greedy_ou
     assert alone.spec_decode.drafts > 0 and alone.spec_decode.draft_tokens == 3 * alone.spec_decode.drafts
     reference = engine("moa", 3).spec_decode.drafts  # K = 3 at every step, all at once
     assert batched.spec_decode.drafts < reference / 4, (batched.spec_decode.drafts, reference)
+
+
+def test_a_request_stream_yields_what_batches_yield():
+    """EngineRun.streams (request_stream.py): requests added at Poisson arrival times while the
+    engine runs the earlier ones, each with its own answer length. Greedy, so each answer is the
+    start of the same prompt's answer in a pass of batches; the times are in order per request,
+    and vLLM's counters of the stream are its own (MoA drafted there)."""
+    from vllm_moa.integration.serve.offline import RequestStreamSpec
+    from vllm_moa.integration.serve.request_stream import poisson_arrivals
+
+    lengths = [8 + 5 * i for i in range(8)]
+    stream = RequestStreamSpec(rate=8.0, arrivals=poisson_arrivals(8.0, 8, seed=0), max_tokens=lengths)
+    run = EngineRun(target=TARGET, speculative_config=moa(3), prompts=prompts(), max_tokens=MAX_TOKENS,
+                    passes=[4], pass_prompts=[8], streams=[stream], engine=ENGINE)
+    result = engine_host().run(run, timeout=600)
+    assert [p.concurrency for p in result.passes] == [4] and len(result.passes[0].outputs) == 8
+    assert result.passes[0].inter_token_seconds > 0
+    (done,) = result.streams
+    for i, (got, full) in enumerate(zip(done.outputs, result.passes[0].outputs, strict=True)):
+        assert got == full[:lengths[i]], i
+        assert stream.arrivals[i] <= done.arrival[i] <= done.first_token[i] <= done.finished[i] <= done.seconds
+    assert done.spec_decode.drafts > 0 and result.spec_decode.drafts == result.passes[0].spec_decode.drafts + \
+        done.spec_decode.drafts
