@@ -8,6 +8,7 @@ import copy
 from collections import Counter
 from collections.abc import Sequence
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -87,36 +88,53 @@ def smollm2_next_token_logits(text: str) -> torch.Tensor:
     return model(torch.tensor([chat_prompt(text)])).logits[0, -1].float()
 
 
+class NllExcess(NamedTuple):
+    """Generated tokens' NLL under the target against what sampling from the target itself gives."""
+    nll: float  # mean NLL per token of the samples, at the sampling temperature
+    entropy: float  # mean entropy of the target's distribution at the same positions
+    z: float  # (sum of NLL - entropy) / its exact standard deviation under lossless sampling
+
+
 @torch.no_grad()
-def mean_nll(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], temperature: float,
-             batch: int = 64) -> float:
-    """Mean negative log-likelihood per generated token under the target's own tempered
-    distribution (sampling from the target keeps it near its entropy). Each prompt's KV is
-    computed once, and each distinct output of a prompt is scored once, weighted by its count."""
+def nll_excess(prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], temperature: float,
+               batch: int = 64) -> NllExcess:
+    """The mean-NLL sentinel without a sampled baseline: for a token drawn from the target's own
+    distribution p given its prefix, E[-log p(token)] is p's entropy H and its variance p's
+    varentropy, so sum(NLL - H) over all generated tokens is a sum of zero-mean terms whose
+    variance is known exactly; z is it over its standard deviation (|z| of a few under lossless
+    sampling, tens for a sampler that is off: a wrong temperature, a biased acceptance). Each
+    prompt's KV is computed once, and each distinct output of a prompt scored once, weighted by
+    its count."""
     _, model, _ = smollm2()
     counts: Counter = Counter((tuple(p), tuple(o)) for p, o in zip(prompts, outputs) if o)
     by_prompt: dict[tuple[int, ...], dict[int, list[tuple[tuple[int, ...], int]]]] = {}
     for (prompt, output), n in counts.items():
         by_prompt.setdefault(prompt, {}).setdefault(len(output), []).append((output, n))
-    total, count = 0.0, 0
+    nll_sum, entropy_sum, variance, count = 0.0, 0.0, 0.0, 0
     for prompt, by_length in by_prompt.items():
         done = model(torch.tensor([list(prompt)]), use_cache=True)
-        first = torch.log_softmax(done.logits[0, -1].float() / temperature, dim=-1)  # [V]: the first token's
         for o_len, scored in by_length.items():
             for start in range(0, len(scored), batch):
                 chunk = scored[start:start + batch]
                 ids = torch.tensor([o for o, _ in chunk])  # [B, o_len]
                 weights = torch.tensor([n for _, n in chunk], dtype=torch.float64)  # [B]
-                nll = -first[ids[:, 0]].double()  # [B]
+                logits = done.logits[0, -1:].expand(len(chunk), 1, -1)  # [B, 1, V]: the first token's
                 if o_len > 1:
                     cache = copy.deepcopy(done.past_key_values)
                     cache.batch_repeat_interleave(len(chunk))
-                    logits = model(ids[:, :-1], past_key_values=cache, use_cache=True).logits  # [B, o_len - 1, V]
-                    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-                    nll -= logp.gather(-1, ids[:, 1:, None])[..., 0].double().sum(-1)
-                total += float((nll * weights).sum())
+                    later = model(ids[:, :-1], past_key_values=cache, use_cache=True).logits  # [B, o_len - 1, V]
+                    logits = torch.cat([logits, later], dim=1)
+                logp = torch.log_softmax(logits.double() / temperature, dim=-1)  # [B, o_len, V]
+                p = logp.exp()
+                entropy = -(p * logp).sum(-1)  # [B, o_len]
+                varentropy = (p * logp.square()).sum(-1) - entropy.square()  # [B, o_len]
+                nll = -logp.gather(-1, ids[..., None])[..., 0]  # [B, o_len]
+                nll_sum += float((nll.sum(-1) * weights).sum())
+                entropy_sum += float((entropy.sum(-1) * weights).sum())
+                variance += float((varentropy.sum(-1) * weights).sum())
                 count += int(weights.sum()) * o_len
-    return total / max(1, count)
+    count = max(1, count)
+    return NllExcess(nll_sum / count, entropy_sum / count, (nll_sum - entropy_sum) / max(variance, 1e-12) ** 0.5)
 
 
 def pair_distribution(prompt: Sequence[int], temperature: float, warp=None,
