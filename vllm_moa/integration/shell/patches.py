@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: fifteen declared patches, one per symbol
+"""Every change the plugin makes to vLLM's internals: sixteen declared patches, one per symbol
 (the mechanism: patching.py). Declared here: the config and routing patches; tree_patches.py,
 runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare the others,
 listed here too.
@@ -14,6 +14,9 @@ listed here too.
     V1RunnerPatch             VllmConfig._get_v2_model_runner_unsupported_features
                                                                 "moa" keeps the V1 model runner (0.32
                                                                 would pick V2 on GPUs)
+    DynamicKOnV1Patch         VllmConfig._maybe_disable_dynamic_sd_for_v1
+                                                                0.33: "moa" keeps a K that changes per
+                                                                step, as "draft_model" does
     AdaptiveFieldPatch        SpeculativeConfig.moa_adaptive    K per batch size by measured speed (default
                                                                 for chains and trees: moa_defaults.py)
     SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
@@ -233,6 +236,28 @@ class V1RunnerPatch(VllmPatch):
         setattr(owner, attr, unsupported)
 
 
+class DynamicKOnV1Patch(VllmPatch):
+    """vLLM 0.33 drops `num_speculative_tokens_per_batch_size` (a K that changes per step) on the V1
+    runner for every method but the ones it lists, "draft_model" among them; "moa" is a draft model
+    on the V1 runner (MoAProposer subclasses DraftModelProposer), and K by measured speed marks its
+    engines with that field (moa_defaults.py): for "moa" the check passes as for "draft_model"."""
+
+    symbol = "dynamic_k_v1"
+
+    @classmethod
+    def _patch(cls, owner: Any, attr: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def keep_for_moa(self) -> None:
+            spec = self.speculative_config
+            if spec is not None and spec.method == compat.METHOD:
+                return None
+            return original(self)
+
+        setattr(owner, attr, keep_for_moa)
+
+
 class _OptionalFieldPatch(VllmPatch):
     """SpeculativeConfig gains one optional field (default None); vLLM's config is a pydantic
     dataclass that refuses unknown keys, so the field is declared on it and the validator rebuilt."""
@@ -315,13 +340,16 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     RetrievalFieldPatch,
     AdaptiveFieldPatch,
     adaptive_k.SchedulerUpdatePatch,
+    DynamicKOnV1Patch,
 )
 
 
 def apply_all() -> None:
-    """Apply the patches every process needs (idempotent)."""
+    """Apply the patches every process needs, each in the vLLM series it is declared for (idempotent)."""
+    version = compat.installed_vllm_version()
     for patch in PATCHES:
-        patch.apply()
+        if compat.in_series(version, compat.PATCHED_SYMBOLS[patch.symbol].series):
+            patch.apply()
 
 
 def apply_tree_patches(on_cpu: bool | None = None) -> None:
