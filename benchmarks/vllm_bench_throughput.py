@@ -101,9 +101,9 @@ def plot(rows: list[dict], points: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in CONFIGS:
         mine = [r for r in rows if r["config"] == name]
-        ax.plot(points, [r["speedup_over_none"] for r in mine], marker="o", label=name)
-        for r in mine:
-            ax.scatter([r["max_num_seqs"]] * len(r["rounds"]), r["rounds"], s=10, alpha=0.4)
+        (line,) = ax.plot(points, [r["speedup_over_none"] for r in mine], marker="o", label=name)
+        for r in mine:  # every round's ratio, in its configuration's colour
+            ax.scatter([r["max_num_seqs"]] * len(r["rounds"]), r["rounds"], s=10, alpha=0.4, color=line.get_color())
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("--max-num-seqs (requests decoding together)")
