@@ -123,7 +123,9 @@ def test_v1_runner_builds_draft_models_through_draft_model_proposer(pristine):
 
 # -- mechanics ---------------------------------------------------------------------------------
 def test_patches_are_applied_once_and_refuse_a_rival():
-    assert all(p.applied() for p in patches.PATCHES)
+    assert all(p.applied() for p in patches.patches_for_installed_vllm())
+    # the others are declared for other vLLM series (DynamicKOnV1Patch: 0.33) and left alone here
+    assert not any(p.applied() for p in set(patches.PATCHES) - set(patches.patches_for_installed_vllm()))
     wrapped = patching.resolve("uses_draft_model")
     before = getattr(*wrapped)
     patches.apply_all()

@@ -59,7 +59,7 @@ print(json.dumps({
     "moa_accepted": "moa" in typing.get_args(literal),
     "registered": "MoADraftModel" in ModelRegistry.get_supported_archs(),
     "auto_config": auto_config,
-    "applied": [patch.applied() for patch in patches.PATCHES],
+    "applied": [patch.applied() for patch in patches.patches_for_installed_vllm()],
     "cuda_initialized": torch.cuda.is_initialized(),
 }))
 """

@@ -344,12 +344,16 @@ PATCHES: tuple[type[VllmPatch], ...] = (
 )
 
 
+def patches_for_installed_vllm() -> tuple[type[VllmPatch], ...]:
+    """PATCHES declared for the installed vLLM's series (compat.PATCHED_SYMBOLS[...].series)."""
+    version = compat.installed_vllm_version()
+    return tuple(p for p in PATCHES if compat.in_series(version, compat.PATCHED_SYMBOLS[p.symbol].series))
+
+
 def apply_all() -> None:
     """Apply the patches every process needs, each in the vLLM series it is declared for (idempotent)."""
-    version = compat.installed_vllm_version()
-    for patch in PATCHES:
-        if compat.in_series(version, compat.PATCHED_SYMBOLS[patch.symbol].series):
-            patch.apply()
+    for patch in patches_for_installed_vllm():
+        patch.apply()
 
 
 def apply_tree_patches(on_cpu: bool | None = None) -> None:
