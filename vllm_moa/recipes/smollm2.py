@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from vllm_moa.config import read_drafter_config
+from vllm_moa.speculators_format import write_speculators_config
+from vllm_moa.targets import SMOLLM2_135M_INSTRUCT
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
@@ -280,6 +283,8 @@ def write_fp16(src: Path, dst: Path) -> None:
                for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(src / "config.json", dst / "config.json")
+    if read_drafter_config(dst).SPECULATORS_ALGORITHM:  # `vllm serve <shipped drafter>`: SmolLM2 from the cache
+        write_speculators_config(dst, SMOLLM2_135M_INSTRUCT.folder_name)
 
 
 def ship(work: Path, destination: Path, names: list[str] | None = None) -> int:

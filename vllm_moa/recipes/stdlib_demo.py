@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from vllm_moa.config import read_drafter_config
+from vllm_moa.speculators_format import write_speculators_config
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json
 
 
@@ -300,6 +302,8 @@ def ship(work: Path, destination: Path) -> int:
         config = json.loads(config_path.read_text())
         config["target"]["fingerprint"] = fingerprint
         config_path.write_text(json.dumps(config, indent=2))
+        if read_drafter_config(destination / name).SPECULATORS_ALGORITHM:  # `vllm serve <demo drafter>`
+            write_speculators_config(destination / name, "../target")
     report = json.loads((work / "report.json").read_text())
     (destination / "card.json").write_text(json.dumps(report, indent=2))
     prompts = []

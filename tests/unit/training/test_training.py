@@ -229,3 +229,23 @@ def test_evaluation_by_sequence_adds_up_to_the_evaluation(tmp_path, drafter):
     counts = torch.tensor([c for _, c in per_sequence]).sum(0)
     assert [round((h / c).item(), 4) for h, c in zip(hits, counts)] == trainer.evaluate(batch_size=4)
     assert len({tuple(c) for _, c in per_sequence}) > 1  # sequences differ: not one count copied
+
+
+@pytest.mark.parametrize("drafter", ["moa", "eagle"])
+def test_a_trained_moa_drafter_is_servable_by_its_directory(tmp_path, drafter):
+    """The final drafter of a run on a target loaded from its folder names that folder as its
+    verifier (vllm_moa/speculators_format.py): `vllm serve <drafter>` serves the target with it.
+    Only MoA drafters: vLLM serves no other kind."""
+    from vllm_moa.shipped import SHIPPED
+    from vllm_moa.speculators_format import read_speculators_section
+    from vllm_moa.target import TargetModel
+
+    target = TargetModel.from_pretrained(SHIPPED / "target")
+    options = SMALL if drafter == "moa" else dict(intermediate_size=64)
+    result = Trainer(_config(tmp_path, drafter=drafter, steps=2, drafter_options=options), target, _examples(2)).train()
+    section = read_speculators_section(result.drafter_dir)
+    if drafter == "eagle":
+        assert section is None
+        return
+    assert section.verifier.name_or_path == str((SHIPPED / "target").resolve())
+    assert section.verifier.architectures == [target.architecture] and section.algorithm == "moa"

@@ -180,6 +180,12 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.config.vllm", "VllmConfig._maybe_disable_dynamic_sd_for_v1",
         "VllmConfig._maybe_disable_dynamic_sd_for_v1", "(self)", series=DYNAMIC_K_V1_SERIES,
     ),
+    # MoA drafters served by their directory (speculators_checkpoints.py): vLLM's reading of a
+    # model's speculators_config, called by EngineArgs.create_engine_config through arg_utils' name
+    "speculators_override": PatchedSymbol(
+        "vllm.engine.arg_utils", "maybe_override_with_speculators", "maybe_override_with_speculators",
+        "(model, tokenizer, trust_remote_code, revision=None, vllm_speculative_config=None, hf_token=None, **kwargs)",
+    ),
     # draft trees (integration/moa/tree_verification.py): the field everywhere, the runner hooks on 0.32
     "speculative_moa_tree": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_tree", adds=True),
     "speculative_moa_retrieval": PatchedSymbol("vllm.config.speculative", "SpeculativeConfig.moa_retrieval",

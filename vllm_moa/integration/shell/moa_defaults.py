@@ -13,6 +13,10 @@ measured inside vLLM's engine, so that `{"method": "moa"}` alone is the configur
                              tree's first K nodes in preorder (a chain along its best children
                              when K <= depth); `false` drafts K (the whole tree) at every step
 
+A drafter checkpoint that carries speculators keys (speculators_format.py) fills these first: its
+proposal method's speculative_tokens, moa_tree, moa_retrieval and moa_adaptive, for the fields the
+user left out; this table fills what both leave out.
+
 No vLLM import here: the functions take plain values and the SpeculativeConfig being built.
 """
 
@@ -24,8 +28,9 @@ from typing import Any
 from vllm_moa.config import DrafterConfigError, DrafterTargetMismatch, read_drafter_config
 from vllm_moa.integration.shell.draft_config import ADAPTIVE_FIELD, RETRIEVAL_FIELD, SCHEDULE_FIELD
 from vllm_moa.shipped import MOA_DRAFTERS, SHIPPED, SHIPPED_SMOLLM2
+from vllm_moa.speculators_format import RECOMMENDED_SPECULATIVE_TOKENS, read_speculators_section
 
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_NUM_SPECULATIVE_TOKENS = RECOMMENDED_SPECULATIVE_TOKENS
 # the defaults turned off: MoA's drafts alone, K at every step (benchmarks' and tests' "moa K=k")
 MOA_ALONE = {RETRIEVAL_FIELD: False, ADAPTIVE_FIELD: False}
 TRAIN_HINT = ("train one for it (`vllm-moa train --target <target dir> --prompts <prompts.jsonl>`) and pass "
@@ -76,6 +81,7 @@ def apply_defaults(speculative_config: Any, actual: Any) -> None:
     spec = speculative_config
     if not spec.model:
         spec.model = str(shipped_drafter_for(actual))
+    apply_checkpoint_proposal(spec)
     if spec.num_speculative_tokens is None:
         spec.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
     if getattr(spec, RETRIEVAL_FIELD, None) is None:
@@ -88,6 +94,21 @@ def apply_defaults(speculative_config: Any, actual: Any) -> None:
         # the schedule off under data parallelism); the scheduler's table is then measured
         # (adaptive_k.SchedulerInitPatch), not this one
         setattr(spec, SCHEDULE_FIELD, [(1, 1, spec.num_speculative_tokens)])
+
+
+def apply_checkpoint_proposal(speculative_config: Any) -> None:
+    """The drafter checkpoint's proposal method (its speculators keys), for the fields left out."""
+    spec = speculative_config
+    if not (Path(spec.model) / "config.json").is_file():
+        return  # check_moa_drafter names what is wrong with the path
+    section = read_speculators_section(spec.model)
+    if section is None:
+        return
+    if spec.num_speculative_tokens is None:
+        spec.num_speculative_tokens = section.proposal.speculative_tokens
+    for field, value in section.moa_fields().items():
+        if getattr(spec, field, None) is None:
+            setattr(spec, field, value)
 
 
 def requested_adaptive(speculative_config: Any) -> bool:

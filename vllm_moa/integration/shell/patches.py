@@ -1,7 +1,7 @@
-"""Every change the plugin makes to vLLM's internals: sixteen declared patches, one per symbol
-(the mechanism: patching.py). Declared here: the config and routing patches; tree_patches.py,
-runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare the others,
-listed here too.
+"""Every change the plugin makes to vLLM's internals: seventeen declared patches, one per symbol
+(the mechanism: patching.py). Declared here: the config and routing patches; speculators_checkpoints.py,
+tree_patches.py, runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare
+the others, listed here too.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   fill the options left out (moa_defaults.py),
@@ -21,6 +21,10 @@ listed here too.
                                                                 for chains and trees: moa_defaults.py)
     SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
                                                                 written (adaptive_k.py)
+  MoA drafters served by their directory (integration/shell/speculators_checkpoints.py):
+    SpeculatorsOverridePatch  arg_utils.maybe_override_with_speculators
+                                                                a MoA checkpoint's verifier found where the
+                                                                package keeps it, or one line saying how
   draft trees (the method: integration/moa/tree_verification.py; the last two, tree_patches.py, and
   RunnerSamplePatch below are applied in the worker when a MoA drafter drafts trees, and do nothing
   for other requests or drafters):
@@ -73,6 +77,7 @@ from vllm_moa import envs
 from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, tree_patches
 from vllm_moa.integration.shell.patching import PatchConflict, VllmPatch
 from vllm_moa.integration.shell.runner_sample import RunnerSamplePatch
+from vllm_moa.integration.shell.speculators_checkpoints import SpeculatorsOverridePatch
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +151,8 @@ class SpeculativePostInitPatch(VllmPatch):
                 raise ValueError("speculative method 'moa' needs the target's model and parallel configs "
                                  "(build the engine through EngineArgs, LLM or vllm serve)")
             actual = signature_from_hf_config(target.hf_config, target.model)  # reads the checkpoint: once
-            apply_defaults(self, actual)  # moa_defaults.py
+            apply_defaults(self, actual)  # moa_defaults.py (the drafter checkpoint's proposal fields too)
+            moa_tree = getattr(self, TREE_FIELD, None)
             retrieval_options(getattr(self, RETRIEVAL_FIELD, None))
             drafter = check_moa_drafter(
                 self.model, target.hf_config, target.model,
@@ -341,6 +347,7 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     AdaptiveFieldPatch,
     adaptive_k.SchedulerUpdatePatch,
     DynamicKOnV1Patch,
+    SpeculatorsOverridePatch,
 )
 
 

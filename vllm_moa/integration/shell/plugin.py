@@ -4,8 +4,8 @@ vLLM calls `register()` once in every process it starts (API server, engine core
 before it builds configs or loads models. It must be cheap and idempotent and must not touch
 CUDA: it checks the vLLM version, applies the declared patches (patches.py), installs the
 start-up refusal hook (startup_errors.py) and registers the drafter's model class (lazily, by
-string) and config class. Importing this module imports
-neither vLLM nor torch.
+string), its config class and the speculators algorithm "moa" (speculators_checkpoints.py).
+Importing this module imports neither vLLM nor torch.
 
 Environment:
     VLLM_MOA_PLUGIN=0                 load nothing (vLLM behaves as without vllm-moa)
@@ -52,12 +52,14 @@ def register() -> bool:
 
     from vllm_moa.integration.shell import patches, startup_errors
     from vllm_moa.integration.shell.draft_config import register_hf_config
+    from vllm_moa.integration.shell.speculators_checkpoints import register_moa_speculator
 
     patches.apply_all()
     startup_errors.install()  # `vllm serve` with a bad "moa" config: one line, no traceback
     if envs.VLLM_MOA_FIX_CPU_SAMPLER and patches.apply_cpu_sampler_fix(moa_engine=False):
         logger.info("vllm-moa: vLLM's CPU rejection sampler fixed for every method (%s=1)", patches.FIX_CPU_SAMPLER_ENV)
     register_hf_config()
+    register_moa_speculator()  # `vllm serve <MoA drafter dir>` (speculators_checkpoints.py)
     ModelRegistry.register_model(compat.ARCHITECTURE, compat.MODEL_CLASS)
     _registered = True
     logger.info("vllm-moa: speculative method %r registered (vLLM %s)", compat.METHOD, version)

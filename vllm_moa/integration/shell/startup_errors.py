@@ -10,8 +10,10 @@ plugin's register(), prints instead
     vllm-moa: --speculative-config is invalid: moa_tree.depth: Input should be a valid integer, ...
 
 and the process still exits with status 1. It acts only on an uncaught ValidationError for
-SpeculativeConfig in a process whose command line asks for method "moa"; everything else goes to
-the previous hook unchanged (LLM(...) in a script keeps its ordinary traceback).
+SpeculativeConfig in a process whose command line asks for method "moa", and on a MoA drafter
+directory that cannot be served by its path (speculators_checkpoints.SpeculatorsCheckpointError)
+in a `vllm` command; everything else goes to the previous hook unchanged (LLM(...) in a script
+keeps its ordinary traceback).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from vllm_moa.integration.shell.compat import METHOD
+from vllm_moa.integration.shell.speculators_checkpoints import SpeculatorsCheckpointError
 
 FLAGS = ("--speculative-config", "--speculative_config", "-sc")
 _HOOK_ATTR = "__vllm_moa_startup_errors__"
@@ -44,9 +48,19 @@ def speculative_config_in_argv(argv: Sequence[str]) -> dict | None:
     return None
 
 
-def refusal_message(error: BaseException) -> str | None:
-    """One line per problem of a SpeculativeConfig ValidationError; None for any other error."""
-    if type(error).__name__ != "ValidationError" or getattr(error, "title", None) != "SpeculativeConfig":
+def vllm_command(argv: Sequence[str]) -> bool:
+    """Whether this process is vLLM's command line (`vllm ...`, or its OpenAI server's module)."""
+    return bool(argv) and (Path(argv[0]).name == "vllm" or argv[0].endswith("api_server.py"))
+
+
+def refusal_message(error: BaseException, moa_config: bool = True) -> str | None:
+    """One line for a MoA drafter that cannot be served by its path; one line per problem of a
+    SpeculativeConfig ValidationError (where the command line asks for "moa": `moa_config`); None
+    for any other error."""
+    if isinstance(error, SpeculatorsCheckpointError):
+        return f"vllm-moa: {error}"
+    if not moa_config or type(error).__name__ != "ValidationError" \
+            or getattr(error, "title", None) != "SpeculativeConfig":
         return None
     problems = []
     for item in error.errors():
@@ -57,17 +71,18 @@ def refusal_message(error: BaseException) -> str | None:
 
 
 def install(argv: Sequence[str] | None = None) -> bool:
-    """Wrap sys.excepthook when this command line asks for method "moa" (idempotent); whether
-    the hook is in place."""
-    config = speculative_config_in_argv(sys.argv if argv is None else argv)
-    if config is None or config.get("method") != METHOD:
+    """Wrap sys.excepthook when this command line asks for method "moa" or is vLLM's own
+    (idempotent); whether the hook is in place."""
+    argv = sys.argv if argv is None else argv
+    moa_config = (speculative_config_in_argv(argv) or {}).get("method") == METHOD
+    if not (moa_config or vllm_command(argv)):
         return False
     if getattr(sys.excepthook, _HOOK_ATTR, False):
         return True
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
-        message = refusal_message(error)
+        message = refusal_message(error, moa_config)
         if message is None:
             previous(kind, error, traceback)
         else:

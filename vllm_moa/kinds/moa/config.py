@@ -15,6 +15,7 @@ class MoAConfig(DrafterConfigBase):
     """
 
     model_type = "moa_drafter"
+    SPECULATORS_ALGORITHM = "moa"  # `vllm serve <drafter dir>` (speculators_format.py)
     OPTIONS: ClassVar[dict[str, Option]] = {
         "tli": Option(int, 0, "target layer inference: the target's last N layers run on the drafter's output"),
         "lsa_num_heads": Option(int, 4, "LSA heads (divide the LSA width 2*Ekv into even-sized heads)"),
