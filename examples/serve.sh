@@ -7,6 +7,8 @@
 #   examples/serve.sh                                   # demo models, port 8000
 #   TARGET=path/to/llama DRAFTER=runs/moa/drafter K=5 examples/serve.sh
 #   KEEP=1 examples/serve.sh                            # leave the server running
+#   BY_DRAFTER=1 examples/serve.sh                      # `vllm serve <drafter dir>` alone: the drafter's
+#                                                       # speculators keys name its target (docs/vllm-plugin.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEMO=vllm_moa/assets/demo
@@ -22,9 +24,16 @@ else  # CPU: fp32 (bf16 is several times slower without native bf16), no compila
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 fi
 
-vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --max-model-len 2048 "${DEVICE_ARGS[@]}" \
-    --speculative-config "{\"method\": \"moa\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" \
-    >"$LOG" 2>&1 &
+if [ "${BY_DRAFTER:-0}" = 1 ]; then  # served under the name typed, as vLLM serves speculators checkpoints
+    MODEL=$DRAFTER
+    vllm serve "$DRAFTER" --host 127.0.0.1 --port "$PORT" --max-model-len 2048 "${DEVICE_ARGS[@]}" \
+        --speculative-config "{\"num_speculative_tokens\": $K}" >"$LOG" 2>&1 &
+else
+    MODEL=$TARGET
+    vllm serve "$TARGET" --host 127.0.0.1 --port "$PORT" --max-model-len 2048 "${DEVICE_ARGS[@]}" \
+        --speculative-config "{\"method\": \"moa\", \"model\": \"$DRAFTER\", \"num_speculative_tokens\": $K}" \
+        >"$LOG" 2>&1 &
+fi
 SERVER=$!
 trap '[ "${KEEP:-0}" = 1 ] || kill "$SERVER" 2>/dev/null' EXIT
 
@@ -36,7 +45,7 @@ done
 
 # the client: a plain completions request (the demo target is a code model without a chat template)
 curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' -d "{
-  \"model\": \"$TARGET\",
+  \"model\": \"$MODEL\",
   \"prompt\": \"def read_config(path):\\n    \\\"\\\"\\\"Read a config file.\\\"\\\"\\\"\\n\",
   \"max_tokens\": 96,
   \"temperature\": 0
