@@ -231,11 +231,11 @@ class DrafterConfigBase(PretrainedConfig):
 
     @classmethod
     def read(cls, directory: str | Path) -> DrafterConfigBase:
-        path, data = _read_config_json(directory)
+        path, data = read_config_json(directory)
         return cls.validated_from_dict(data, source=str(path))
 
 
-def _read_config_json(directory: str | Path) -> tuple[Path, Any]:
+def read_config_json(directory: str | Path) -> tuple[Path, Any]:
     """(path, parsed JSON) of a drafter directory's config.json, with clear errors."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
@@ -263,7 +263,7 @@ def check_divisible(config: PretrainedConfig, source: str, heads_key: str, kv_he
 
 def read_drafter_config(directory: str | Path) -> DrafterConfigBase:
     """Read and validate any drafter's config.json, dispatching on its `model_type`."""
-    path, data = _read_config_json(directory)
+    path, data = read_config_json(directory)
     model_type = data.get("model_type") if isinstance(data, dict) else None
     kind = registry.for_config(model_type)
     if kind is None:

@@ -31,7 +31,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vllm_moa.config import CONFIG_NAME, SPECULATORS_KEYS, DrafterConfigBase, DrafterConfigError, read_drafter_config
+from vllm_moa.config import (
+    CONFIG_NAME,
+    SPECULATORS_KEYS,
+    DrafterConfigBase,
+    DrafterConfigError,
+    read_config_json,
+    read_drafter_config,
+)
 
 # MoA + lookup chains: K = 4 measured best in vLLM's CPU engine at concurrency 1 (docs/results.md);
 # what `{"method": "moa"}` drafts without num_speculative_tokens, and what checkpoints record
@@ -80,11 +87,7 @@ class SpeculatorsSection(BaseModel):
 def read_speculators_section(directory: str | Path) -> SpeculatorsSection | None:
     """The checkpoint's speculators section, None where it has none; DrafterConfigError naming
     the key where it is malformed."""
-    path = Path(directory) / CONFIG_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise DrafterConfigError(f"{path}: unreadable ({err})") from None
+    path, data = read_config_json(directory)
     return section_from_dict(data, str(path))
 
 
