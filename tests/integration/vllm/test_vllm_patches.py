@@ -271,7 +271,7 @@ def test_moa_adaptive_is_a_declared_field_on_by_default(demo_target, demo_drafte
     chain = {"method": "moa", "model": demo_drafter, "num_speculative_tokens": 3}
     spec = engine_config(demo_target, chain).speculative_config
     assert spec.moa_adaptive is True and requested_adaptive(spec)
-    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, 3)]
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 4, 3), (5, 5, 0)]  # the first step's, before measuring
     spec = engine_config(demo_target, {**chain, "moa_adaptive": False}).speculative_config
     assert spec.moa_adaptive is False and spec.num_speculative_tokens_per_batch_size is None
     schedule = [(1, 4, 3), (5, 256, 0)]
@@ -281,7 +281,7 @@ def test_moa_adaptive_is_a_declared_field_on_by_default(demo_target, demo_drafte
         engine_config(demo_target, {**chain, "moa_adaptive": 1})
     tree = {**chain, "num_speculative_tokens": 8, "moa_tree": {"depth": 3, "top_k": 2}}
     spec = engine_config(demo_target, tree).speculative_config
-    assert spec.moa_adaptive is True and spec.num_speculative_tokens_per_batch_size == [(1, 1, 8)]
+    assert spec.moa_adaptive is True and spec.num_speculative_tokens_per_batch_size == [(1, 4, 8), (5, 5, 0)]
     with pytest.raises(Exception, match="do not take num_speculative_tokens_per_batch_size"):
         engine_config(demo_target, {**tree, "num_speculative_tokens_per_batch_size": schedule})
     with pytest.raises(Exception, match="drop one of them"):

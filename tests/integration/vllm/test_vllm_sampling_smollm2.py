@@ -97,13 +97,14 @@ def top_k_only_run():
 @cache
 def adaptive_run():
     """One engine, MoA chain K=3 with K by measured speed (moa_adaptive, on by default for chains:
-    each batch size drafts K = 3 for its first steps, then K = 0, then what measures faster, with
-    probes of the other end; the drafter skips K = 0 steps and catches up when K returns). Two
-    passes of PLAIN requests at T = 0.7: all at once (batches of up to 256), then 16 at a time."""
+    up to 4 requests draft K = 3 for their first steps, then K = 0, then what measures faster, with
+    probes of the other end; more requests start at K = 0; the drafter skips K = 0 steps and
+    catches up when K returns). Two passes of PLAIN requests at T = 0.7: all at once (batches of
+    up to 256), then 4 at a time."""
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
                                                              "num_speculative_tokens": 3, "moa_retrieval": False},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
-                    passes=[0, 16], engine=ENGINE)
+                    passes=[0, 4], engine=ENGINE)
     return run_engine(run, timeout=1500, env=ENGINE_ENV)
 
 

@@ -101,14 +101,15 @@ def test_chain_if_faster_drafts_both_shapes_and_keeps_greedy_output():
 
 
 def test_trees_turn_themselves_down_and_keep_greedy_output():
-    """moa_tree with K by measured speed (moa_adaptive, the default for trees too): at each batch
-    size the whole tree is drafted first, then nothing (K = 0: the drafter skips the step and
-    catches up when drafting resumes), then the K of most measured tokens per second, a tree cut
-    to its first K nodes. Steps without drafts show in vLLM's counters: every decode step of a
-    request yields 1 + accepted tokens, and the (request, step) pairs that drafted are `drafts`,
-    so drafts + accepted falls short of the fixed tree's by the steps that drafted nothing."""
+    """moa_tree with K by measured speed (moa_adaptive, the default for trees too), 4 requests at a
+    time: at each batch size the whole tree is drafted first, then nothing (K = 0: the drafter
+    skips the step and catches up when drafting resumes), then the K of most measured tokens per
+    second, a tree cut to its first K nodes. Steps without drafts show in vLLM's counters: every
+    decode step of a request yields 1 + accepted tokens, and the (request, step) pairs that
+    drafted are `drafts`, so drafts + accepted falls short of the fixed tree's by the steps that
+    drafted nothing."""
     budget, tree = SHAPES["default"]
-    adaptive = engine("moa", budget, passes=2, tree=tree, adaptive=True)
+    adaptive = engine("moa", budget, passes=2, tree=tree, adaptive=True, concurrency=4)
     fixed = engine("moa", budget, passes=2, tree=tree)
     for run in adaptive.passes:
         assert run.outputs == engine().passes[0].outputs

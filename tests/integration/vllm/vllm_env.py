@@ -137,21 +137,22 @@ def tensor_parallel_env(tp: int) -> dict[str, str]:
 def engine(speculative: str | None = None, k: int = 0, passes: int = 1, temperature: float = 0.0,
            stress: bool = False, replica: int = 0, drafter: str = DRAFTER, tree: tuple | None = None,
            retrieval: tuple[tuple[str, int], ...] | None = None, tp: int = 1, env: tuple[tuple[str, str], ...] = (),
-           adaptive: bool = False):
+           adaptive: bool = False, concurrency: int = 0):
     """One engine run over prompts(), run once per test session (`replica` starts another engine of
     the same configuration). A run of one pass is the first pass of the run of two (each pass is
     generated to the end before the next starts), so both are one engine. stress: chunked prefill
     (a 64-token step budget, below most prompts) and a KV cache of 12 blocks of 32 tokens (the 16
     requests need ~60), so the scheduler preempts and recomputes requests. tp > 1: a
     tensor-parallel target (vLLM's mp executor, one process per rank), with the tap's traffic read
-    from every worker. env: extra environment variables. adaptive: K by measured speed (moa_adaptive)."""
+    from every worker. env: extra environment variables. adaptive: K by measured speed (moa_adaptive).
+    concurrency: requests decoding together in each pass (0: all at once)."""
     run = _engine(speculative, k, max(passes, 2), temperature, stress, replica, drafter, tree, retrieval, tp, env,
-                  adaptive)
+                  adaptive, concurrency)
     return run.first_passes(passes) if passes < len(run.passes) else run
 
 
 @cache
-def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive):
+def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive, concurrency):
     from vllm_moa.integration.serve.offline import EngineRun, run_engine
 
     config = {"moa": moa(k, drafter, tree, retrieval, adaptive) if k else None,
@@ -161,9 +162,10 @@ def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree,
     if tp > 1:
         extra["tensor_parallel_size"] = tp
     run = EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
-                    temperature=temperature, passes=[0] * passes, engine={**ENGINE, **extra},
+                    temperature=temperature, passes=[concurrency] * passes, engine={**ENGINE, **extra},
                     tap_traffic=tp > 1 and config is not None)
-    key = repr((speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive))
+    key = repr((speculative, k, passes, temperature, stress, replica, drafter, tree, retrieval, tp, env, adaptive,
+                concurrency))
     if tp == 1 and not env:  # one engine after another in this worker's host process
         return once_per_session(key, lambda: engine_host().run(run, timeout=900))
     return once_per_session(key, lambda: run_engine(

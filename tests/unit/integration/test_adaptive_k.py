@@ -20,14 +20,17 @@ class Engine:
         self.now, self.cost, self.accepted = 0.0, cost, accepted
         self.table = AdaptiveK(MAX_K, clock=lambda: self.now, **table)
         self.drafted: dict[str, int] = {}
+        self.context = 0  # tokens each request holds before a step (those that end are replaced)
 
-    def step(self, batch: int, prefill: bool = False, busy_after: bool = True) -> int:
+    def step(self, batch: int, prefill: int = 0, busy_after: bool = True) -> int:
         k = self.table[batch]
         reqs = [f"r{i}" for i in range(batch)]
         verified = {r: [7] * self.drafted.get(r, 0) for r in reqs if self.drafted.get(r, 0)}
-        tokens = {r: 1 + len(verified.get(r, ())) + (20 if prefill and r == "r0" else 0) for r in reqs}
+        tokens = {r: 1 + len(verified.get(r, ())) + (prefill if r == "r0" else 0) for r in reqs}
         output = SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
-                                 scheduled_spec_decode_tokens=verified, num_spec_tokens_to_schedule=k)
+                                 scheduled_spec_decode_tokens=verified, num_spec_tokens_to_schedule=k,
+                                 scheduled_new_reqs=[],
+                                 scheduled_cached_reqs=SimpleNamespace(num_computed_tokens=[self.context] * batch))
         self.now += self.cost(batch, k)
         sampled = [[1] * (1 + min(self.accepted(len(verified.get(r, ()))), len(verified.get(r, ())))) for r in reqs]
         self.table.observe(output, sampled, busy_after)
@@ -51,14 +54,57 @@ def test_small_batches_draft_and_large_ones_turn_drafting_down():
 
 
 def test_a_batch_size_above_one_that_settled_on_k_0_starts_at_k_0():
-    """Batch 16 priced at both ends settles on K = 0; batch 64 (no priced batch size within a
-    factor of 2 to borrow from) then starts at K = 0 instead of pricing K = max_k first, which
-    costs most there; a smaller batch size (4) still prices max_k first."""
+    """Batch 4 priced at both ends settles on K = 0; batch 16 (nothing priced within a factor of 2)
+    then prices K = 0 and stays there, with drafting as measured at 4 scaled to 16 requests, instead
+    of pricing K = max_k first, which costs most there; a smaller batch size (2, within a factor of
+    2 of 4) takes 4's verdict, and one with nothing near it (1) still prices max_k first."""
     engine = Engine(lambda b, k: 0.01 * b ** 0.5 * (1 + 0.9 * k), accepts_two)
-    sixteens = [engine.step(16) for _ in range(60)]
-    assert sixteens[:6] == [3, 3, 3, 0, 0, 0] and engine.table.verdict[16] == 0
-    assert [engine.step(64) for _ in range(30)] == [0] * 30
-    assert [engine.step(4) for _ in range(3)] == [3, 3, 3]
+    fours = [engine.step(4) for _ in range(60)]
+    assert fours[:6] == [3, 3, 3, 0, 0, 0] and engine.table.verdict[4] == 0
+    assert [engine.step(16) for _ in range(30)] == [0] * 30
+    assert [engine.step(2) for _ in range(3)] == [0] * 3
+    assert [engine.step(1) for _ in range(3)] == [3, 3, 3]
+
+
+def test_a_fresh_engine_s_first_large_batch_costs_what_no_speculation_costs():
+    """A fresh engine whose first steps run 48 requests (`vllm bench throughput`'s) starts at K = 0
+    and waits for a drafting probe until K = 0 time pays for it at probe_budget: before any probe
+    was priced its cost is guessed with the drafter's catch-up over every token the requests hold
+    (200 each here, at 0.5 ms a token, the cost of a prefill token measured from a mixed step), so
+    a short run drafts nothing, and a long one drafts within the budget."""
+    state = {"last": 0}
+
+    def cost(batch, k):
+        catch_up = 48 * 200 * 0.0005 if k and state["last"] == 0 else 0.0
+        state["last"] = k
+        return 0.1 * (1 + k) + catch_up  # drafting never pays at 48
+
+    engine = Engine(cost, accepts_two)
+    engine.step(48, prefill=400)
+    assert engine.table.token_seconds is None  # the first step after idle time is not timed
+    engine.step(48, prefill=400)  # 448 tokens, timed: a prefill token's cost
+    assert engine.table.token_seconds == pytest.approx(0.1 / 448)
+    engine.table.token_seconds = 0.0005
+    engine.context = 200  # the requests' prompts and answers so far
+    short = [engine.step(48) for _ in range(128)]
+    assert short == [0] * 128
+    long = [engine.step(48) for _ in range(8000)]
+    assert 0 < sum(k != 0 for k in long) < 0.03 * len(long)
+
+
+def test_a_growing_load_drafts_where_drafting_as_scaled_still_pays():
+    """Drafting that costs little per request (a GPU's verification): priced at batch 4, it is
+    scaled to batch 16 after 16's own K = 0 steps, and batch 16 drafts without pricing max_k
+    first; where drafting's cost grows with the requests (a CPU's), 16 stays at K = 0."""
+    cheap = Engine(lambda b, k: 0.01 * (1 + 0.01 * b * k), accepts_two)
+    [cheap.step(4) for _ in range(30)]
+    assert cheap.table.verdict[4] > 0
+    sixteens = [cheap.step(16) for _ in range(30)]
+    assert sixteens[:3] == [0, 0, 0] and sum(k > 0 for k in sixteens[3:]) >= 24, sixteens
+    dear = Engine(lambda b, k: 0.01 * b ** 0.3 * (1 + 0.15 * b ** 0.7 * k), accepts_two)
+    fours = [dear.step(4) for _ in range(30)]
+    assert dear.table.verdict[4] > 0, fours  # drafting pays at 4
+    assert [dear.step(16) for _ in range(30)] == [0] * 30
 
 
 def test_drafting_probes_cost_at_most_the_budget_when_catching_up_is_dear():
@@ -88,7 +134,7 @@ def test_steps_that_cannot_be_priced_are_not():
 
     engine.step(4)  # no previous end: not priced
     assert priced() == {}
-    engine.step(4, prefill=True)
+    engine.step(4, prefill=20)
     assert priced() == {}
     engine.step(4, busy_after=False)  # priced (K held), but the next interval includes idle time
     after_idle = priced()
@@ -111,7 +157,7 @@ def test_a_fixed_cost_of_drafting_at_all_keeps_small_k_from_looking_cheap():
     is accepted: K = 1 is slower than K = 0 (a line through K = 0 and K = 3 would call it faster);
     after pricing K = 3 and K = 0 the table settles on K = 0, not on K = 1."""
     engine = Engine(lambda b, k: 0.05 * (1 + (0.9 + 0.1 * k if k else 0)), lambda k: min(k, 1))
-    ks = [engine.step(16) for _ in range(300)]
+    ks = [engine.step(4) for _ in range(300)]
     assert sum(k == 0 for k in ks[6:]) > 0.9 * len(ks[6:]) and 1 not in ks
 
 

@@ -62,7 +62,8 @@ def test_apply_defaults_fills_only_what_was_left_out():
     apply_defaults(spec, actual)
     assert spec.model == str(SHIPPED / "moa-tli0") and spec.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
     assert spec.moa_retrieval == {} and spec.moa_adaptive is True and requested_adaptive(spec)
-    assert spec.num_speculative_tokens_per_batch_size == [(1, 1, DEFAULT_NUM_SPECULATIVE_TOKENS)]
+    # vLLM's schedule for the first step, before K by measured speed takes over: max_k up to 4 requests, 0 above
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 4, DEFAULT_NUM_SPECULATIVE_TOKENS), (5, 5, 0)]
     given = SimpleNamespace(model="/my/drafter", num_speculative_tokens=2, moa_retrieval=False, moa_tree=None,
                             moa_adaptive=False, num_speculative_tokens_per_batch_size=None)
     apply_defaults(given, actual)
@@ -74,4 +75,4 @@ def test_apply_defaults_fills_only_what_was_left_out():
                            num_speculative_tokens_per_batch_size=None)
     apply_defaults(tree, actual)  # a tree as the README writes it turns itself down too
     assert tree.moa_adaptive is True and requested_adaptive(tree)
-    assert tree.num_speculative_tokens_per_batch_size == [(1, 1, 16)]
+    assert tree.num_speculative_tokens_per_batch_size == [(1, 4, 16), (5, 5, 0)]

@@ -11,16 +11,30 @@ config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) th
   the engine loop's schedule, forward, drafting and bookkeeping);
 * a K is kept for `hold` steps at a batch size, and only steps that verify the drafts of the K
   they draft are priced (a step verifies the previous step's drafts and drafts its own);
-* a batch size above one priced at both ends whose verdict is K = 0 starts at K = 0 (drafting
-  pays less, not more, with more requests beside it) and is priced from there;
 * per batch size B, a step's time: K = 0 steps on their own, drafting steps fitted as c + s * K
   (decoding.speed_control's WeightedLinearFit; K = max_k and K = 0 are priced first, so a K in
   between costs as much as K = max_k until it is priced itself); what a step
   yields is B * E(K) tokens, E(K) = 1 + a + ... + a^K from one per-level acceptance rate `a`
   measured over every drafted position at any batch size (GeometricAcceptance, as the
   runtime's speed control); the K of most B * E(K) / (c + s * K) tokens per second is chosen,
-  and the end (max_k or 0) that was not chosen is re-tried now and then; a batch size not yet
-  priced at both ends borrows the fit of the nearest one within a factor of 2 that is.
+  and the end (max_k or 0) that was not chosen is re-tried now and then;
+* a batch size not yet priced at both ends starts from what is known (`BatchPrior`):
+  - the nearest batch size priced at both ends, if it is within a factor of 2 above (its fit as
+    it is: more requests make drafting pay less, not more), or below: then this size's own K = 0
+    steps are priced first and the smaller size's cost of drafting is scaled up by the ratio of
+    the batch sizes (verifying and drafting grow with the rows, a step's fixed cost does not),
+    so that a load that grows is not priced at max_k where it cannot pay;
+  - with nothing priced near it, up to `cold_batch` requests price K = max_k first (drafting pays
+    most and costs least to learn there; also where a smaller size settled on K = 0: K = 0), and
+    more than that K = 0 first, then K = 0 with max_k left to the budgeted probes below: a fresh
+    engine's first large batch (`vllm bench throughput`'s) costs no more than no speculation;
+* a drafting probe while K = 0 pays waits until the K = 0 time since the last one is
+  1 / probe_budget times what that one cost; before any was priced at a batch size its cost is
+  guessed as `hold` drafting steps plus the drafter's catch-up over every token of the batch's
+  requests, at what a token of a prefill cost the target (steps with several tokens per request).
+
+moa_defaults writes vLLM's own schedule to match for the steps before this table takes over
+(the first: max_k up to `COLD_BATCH` requests, 0 above).
 
 K = 0 steps schedule no drafts; the MoA proposer then skips its drafter and catches up when
 drafting resumes (integration/moa/catch_up.py), as with vLLM's own schedule.
@@ -39,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_moa.decoding.speed_control import GeometricAcceptance, WeightedLinearFit
+from vllm_moa.integration.shell.moa_defaults import COLD_BATCH, requested_adaptive
 from vllm_moa.integration.shell.patching import VllmPatch
 
 
@@ -60,6 +75,21 @@ class StepCost:
 
 
 @dataclass
+class ScaledStepCost:
+    """A batch size's step time from a smaller one's fit: its own K = 0 steps, and the smaller
+    size's cost of drafting (a drafting step's time beyond a K = 0 one) times `scale`, the ratio
+    of the batch sizes."""
+
+    plain: WeightedLinearFit
+    smaller: StepCost
+    scale: float
+
+    def predict(self, k: int) -> float:
+        base = self.plain.predict(0, 1.0)
+        return base if k == 0 else base + self.scale * max(0.0, self.smaller.predict(k) - self.smaller.predict(0))
+
+
+@dataclass
 class Window:
     """The steps at one batch size that keep one K (`hold` of them)."""
 
@@ -74,11 +104,11 @@ class AdaptiveK:
     """Stands in for vLLM's dense batch size -> K table: K in 0..max_k by measured speed."""
 
     def __init__(self, max_k: int, hold: int = 3, probe_every: int = 16, max_probe_every: int = 128,
-                 probe_budget: float = 0.03, decay: float = 0.95,
+                 probe_budget: float = 0.03, decay: float = 0.95, cold_batch: int = COLD_BATCH,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
-        self.max_k, self.hold, self.clock, self.decay = max_k, hold, clock, decay
+        self.max_k, self.hold, self.clock, self.decay, self.cold_batch = max_k, hold, clock, decay, cold_batch
         self.min_probe_every, self.max_probe_every, self.probe_budget = probe_every, max_probe_every, probe_budget
         # one per-level acceptance rate for every batch size (what a draft is worth does not
         # depend on how many requests run beside it); the last ~512 drafted positions count
@@ -94,6 +124,8 @@ class AdaptiveK:
         self.probe_cost: dict[int, float] = {}
         self.plain_seconds: dict[int, float] = {}
         self.last_end: float | None = None  # when the previous busy step's output arrived
+        self.context: dict[int, int] = {}  # batch size -> the tokens its requests held at its last step
+        self.token_seconds: float | None = None  # what a token of a prefill costs (EMA)
 
     def __getitem__(self, batch: int) -> int:
         window = self.window.get(batch)
@@ -103,23 +135,25 @@ class AdaptiveK:
         window.left -= 1
         return window.k
 
-    def tokens_per_second(self, batch: int, k: int, fit: StepCost) -> float:
+    def tokens_per_second(self, batch: int, k: int, fit: StepCost | ScaledStepCost) -> float:
         return batch * self.acceptance.expected_tokens(k) / max(1e-9, fit.predict(k))
 
     def choose(self, batch: int) -> tuple[int, bool]:
-        """(K, probe) of the next `hold` steps at `batch` requests: K = max_k, then K = 0, priced
-        at this batch size (or the verdict of one within a factor of 2 that has both); then the K
-        of most estimated tokens per second, and every `probe_every`-th choice the end (max_k or
-        0) that was not chosen or not priced here, the interval doubling while the verdict holds.
-        A drafting probe while K = 0 is chosen also waits until the K = 0 steps since the last
-        one took 1 / probe_budget times what that one cost beyond them."""
+        """(K, probe) of the next `hold` steps at `batch` requests: the ends priced first where
+        nothing near is known (module docstring); then the K of most estimated tokens per second,
+        and every `probe_every`-th choice the end (max_k or 0) that was not chosen or not priced
+        here, the interval doubling while the verdict holds. A drafting probe while K = 0 is
+        chosen also waits until the K = 0 steps since the last one took 1 / probe_budget times
+        what that one cost beyond them (before one was priced here: `_first_probe_guess`)."""
         priced = self.priced.get(batch, set())
-        fit = self.cost[batch] if {0, self.max_k} <= priced else self._nearest_fit(batch)
-        if fit is None:
+        fit = self.cost[batch] if {0, self.max_k} <= priced else self._borrowed_fit(batch)
+        if fit is None and batch <= self.cold_batch:
             if self._no_drafts_below(batch):  # drafting did not pay with fewer requests: nor here
                 return 0, False
             return (self.max_k if self.max_k not in priced else 0), False
-        best = max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
+        if fit is None and 0 not in priced:
+            return 0, False  # many requests and nothing known: K = 0 first, what no speculation costs
+        best = 0 if fit is None else max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
         every = self.probe_every.setdefault(batch, self.min_probe_every)
         if self.verdict.get(batch, best) != best:
             self.probe_every[batch] = every = self.min_probe_every  # the verdict moved: watch closely again
@@ -127,17 +161,25 @@ class AdaptiveK:
         self.choices[batch] = self.choices.get(batch, 0) + 1
         missing = [k for k in (self.max_k, 0) if k not in priced and k != best]
         probe = missing[0] if missing else (0 if best else self.max_k)
-        # before any drafting probe was priced here: what `hold` steps at max_k cost beyond K = 0
-        # (the drafter's catch-up comes on top)
-        first_guess = self.hold * max(0.0, fit.predict(self.max_k) - fit.predict(0))
         affordable = probe == 0 or best != 0 or \
-            self.plain_seconds.get(batch, 0.0) * self.probe_budget >= self.probe_cost.get(batch, first_guess)
+            self.plain_seconds.get(batch, 0.0) * self.probe_budget >= self.probe_cost.get(
+                batch, self._first_probe_guess(batch, fit))
         if self.choices[batch] < every or not affordable:
             return best, False
         self.choices[batch] = 0
         if not missing:
             self.probe_every[batch] = min(self.max_probe_every, 2 * every)
         return probe, True
+
+    def _first_probe_guess(self, batch: int, fit: StepCost | ScaledStepCost | None) -> float:
+        """What the first drafting probe at `batch` costs beyond K = 0 steps, before one was priced:
+        `hold` steps at max_k (without a fit: each taken as two K = 0 steps), and the drafter's
+        catch-up over every token the batch's requests hold, at a prefill token's cost (else at a
+        K = 0 step's cost per request, which is more)."""
+        plain = self.cost[batch].predict(0) if batch in self.cost else 0.0
+        extra = plain if fit is None else fit.predict(self.max_k) - fit.predict(0)
+        per_token = self.token_seconds if self.token_seconds is not None else plain / batch
+        return self.hold * max(0.0, extra) + self.context.get(batch, 0) * per_token
 
     def _close(self, batch: int) -> None:
         """A window ends: a drafting probe while K = 0 was chosen is priced whole."""
@@ -156,10 +198,18 @@ class AdaptiveK:
         return any(b < batch and k == 0 and {0, self.max_k} <= self.priced.get(b, set())
                    for b, k in self.verdict.items())
 
-    def _nearest_fit(self, batch: int) -> StepCost | None:
-        near = [b for b, ks in self.priced.items() if {0, self.max_k} <= ks and abs(math.log(b / batch)) <= math.log(2)]
-        nearest = min(near, key=lambda b: (abs(math.log(b / batch)), b), default=None)
-        return None if nearest is None else self.cost[nearest]
+    def _borrowed_fit(self, batch: int) -> StepCost | ScaledStepCost | None:
+        """The fit of the nearest batch size priced at both ends: one within a factor of 2 above as
+        it is; one below scaled up to `batch` (ScaledStepCost) once K = 0 is priced here, or as it
+        is within a factor of 2 for up to `cold_batch` requests. None: nothing to start from."""
+        both = [b for b, ks in self.priced.items() if {0, self.max_k} <= ks and b != batch]
+        usable = [b for b in both if batch < b <= 2 * batch or b < batch]
+        nearest = min(usable, key=lambda b: (abs(math.log(b / batch)), b), default=None)
+        if nearest is None or nearest > batch:
+            return None if nearest is None else self.cost[nearest]
+        if 0 in self.priced.get(batch, set()):
+            return ScaledStepCost(self.cost[batch].plain, self.cost[nearest], batch / nearest)
+        return self.cost[nearest] if batch <= min(self.cold_batch, 2 * nearest) else None
 
     def observe(self, scheduler_output: Any, sampled_token_ids: list[list[int]], busy_after: bool) -> None:
         """One step's output: price it when it only decoded and verified the K it drafted;
@@ -173,6 +223,11 @@ class AdaptiveK:
         verified = [len(scheduler_output.scheduled_spec_decode_tokens.get(req, ())) for req in
                     scheduler_output.num_scheduled_tokens]
         only_decoding = scheduler_output.total_num_scheduled_tokens == batch + sum(verified)
+        self.context[batch] = context_tokens(scheduler_output)
+        if k == 0 and not any(verified) and scheduler_output.total_num_scheduled_tokens >= 4 * batch:
+            per_token = (now - started) / scheduler_output.total_num_scheduled_tokens  # mostly a prefill
+            self.token_seconds = per_token if self.token_seconds is None else \
+                self.decay * self.token_seconds + (1 - self.decay) * per_token
         window = self.window.get(batch)
         if only_decoding and window is not None and window.k == k:  # every step of it, priced or not
             window.seconds += now - started
@@ -186,6 +241,15 @@ class AdaptiveK:
         self.priced.setdefault(batch, set()).add(k)
         if k:
             self.acceptance.observe(k, [max(0, min(k, len(t) - 1)) for t in sampled_token_ids])
+
+
+def context_tokens(scheduler_output: Any) -> int:
+    """The tokens a step's requests hold once it has run: those computed before it and those it
+    schedules (vLLM's NewRequestData / CachedRequestData, where the output carries them)."""
+    held = scheduler_output.total_num_scheduled_tokens
+    held += sum(getattr(r, "num_computed_tokens", 0) for r in getattr(scheduler_output, "scheduled_new_reqs", ()))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    return held + sum(getattr(cached, "num_computed_tokens", ()) or ())
 
 
 CHECKED_ATTR = "_vllm_moa_adaptive_checked"  # set on a scheduler once SchedulerUpdatePatch has looked
@@ -220,7 +284,6 @@ class SchedulerUpdatePatch(VllmPatch):
 def adaptive_engine(vllm_config: Any) -> bool:
     """Whether this engine's speculative config is "moa" with K by measured speed."""
     from vllm_moa.integration.shell import compat
-    from vllm_moa.integration.shell.moa_defaults import requested_adaptive
 
     spec = vllm_config.speculative_config
     return spec is not None and spec.method == compat.METHOD and requested_adaptive(spec)

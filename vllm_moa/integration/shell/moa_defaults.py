@@ -90,10 +90,22 @@ def apply_defaults(speculative_config: Any, actual: Any) -> None:
                                 user_schedule=getattr(spec, SCHEDULE_FIELD, None) is not None)
     setattr(spec, ADAPTIVE_FIELD, adaptive)
     if adaptive:
-        # vLLM's own mark of a K that changes per step (it keeps full CUDA graphs off, and turns
-        # the schedule off under data parallelism); the scheduler's table is then measured
-        # (adaptive_k.SchedulerInitPatch), not this one
-        setattr(spec, SCHEDULE_FIELD, [(1, 1, spec.num_speculative_tokens)])
+        setattr(spec, SCHEDULE_FIELD, adaptive_schedule(spec.num_speculative_tokens))
+
+
+# K by measured speed (adaptive_k.py) with nothing priced near a batch size: up to this many
+# requests it prices K = max_k first, more start at K = 0
+COLD_BATCH = 4
+
+
+def adaptive_schedule(max_k: int) -> list[tuple[int, int, int]]:
+    """vLLM's schedule field for an engine whose K follows measured speed: vLLM's own mark of a K
+    that changes per step (it keeps full CUDA graphs off, and turns the schedule off under data
+    parallelism). The scheduler's table is then measured (adaptive_k.SchedulerUpdatePatch installs
+    it after the first step); for that first step, often a fresh engine's prefill of every request,
+    this one says what the measured table does with nothing measured: max_k up to
+    COLD_BATCH requests, 0 above (a drafter that skips a step catches up later)."""
+    return [(1, COLD_BATCH, max_k), (COLD_BATCH + 1, COLD_BATCH + 1, 0)]
 
 
 def apply_checkpoint_proposal(speculative_config: Any) -> None:
