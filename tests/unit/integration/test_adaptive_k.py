@@ -94,13 +94,19 @@ def test_a_fresh_engine_s_first_large_batch_costs_what_no_speculation_costs():
 
 def test_a_growing_load_drafts_where_drafting_as_scaled_still_pays():
     """Drafting that costs little per request (a GPU's verification): priced at batch 4, it is
-    scaled to batch 16 after 16's own K = 0 steps, and batch 16 drafts without pricing max_k
-    first; where drafting's cost grows with the requests (a CPU's), 16 stays at K = 0."""
+    scaled to batch 16 after 16's own K = 0 steps; that prices a cheap first probe, which 16's own
+    prices then confirm, and 16 drafts from there. Where drafting's cost grows with the requests
+    (a CPU's), 16 stays at K = 0: a scaled verdict never starts drafting above 4 requests, since
+    switching drafting on also makes the drafter catch up over every request."""
     cheap = Engine(lambda b, k: 0.01 * (1 + 0.01 * b * k), accepts_two)
     [cheap.step(4) for _ in range(30)]
     assert cheap.table.verdict[4] > 0
-    sixteens = [cheap.step(16) for _ in range(30)]
-    assert sixteens[:3] == [0, 0, 0] and sum(k > 0 for k in sixteens[3:]) >= 24, sixteens
+    sixteens = [cheap.step(16) for _ in range(200)]
+    assert sixteens[:3] == [0, 0, 0] and sum(k > 0 for k in sixteens[-60:]) >= 54, sixteens
+    patient = Engine(lambda b, k: 0.01 * (1 + 0.01 * b * k), accepts_two)
+    [patient.step(4) for _ in range(30)]
+    patient.context, patient.table.token_seconds = 2000, 0.0005  # a catch-up over 16 x 2,000 tokens: 16 s
+    assert [patient.step(16) for _ in range(60)] == [0] * 60  # the scaled verdict alone never drafts
     dear = Engine(lambda b, k: 0.01 * b ** 0.3 * (1 + 0.15 * b ** 0.7 * k), accepts_two)
     fours = [dear.step(4) for _ in range(30)]
     assert dear.table.verdict[4] > 0, fours  # drafting pays at 4

@@ -23,7 +23,9 @@ config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) th
     it is: more requests make drafting pay less, not more), or below: then this size's own K = 0
     steps are priced first and the smaller size's cost of drafting is scaled up by the ratio of
     the batch sizes (verifying and drafting grow with the rows, a step's fixed cost does not),
-    so that a load that grows is not priced at max_k where it cannot pay;
+    so that a load that grows is not priced at max_k where it cannot pay; above `cold_batch`
+    requests such a borrowed fit only prices the first probe, and K stays 0 until this size's own
+    prices say drafting pays (switching it on makes the drafter catch up over every request);
   - with nothing priced near it, up to `cold_batch` requests price K = max_k first (drafting pays
     most and costs least to learn there; also where a smaller size settled on K = 0: K = 0), and
     more than that K = 0 first, then K = 0 with max_k left to the budgeted probes below: a fresh
@@ -146,14 +148,19 @@ class AdaptiveK:
         chosen also waits until the K = 0 steps since the last one took 1 / probe_budget times
         what that one cost beyond them (before one was priced here: `_first_probe_guess`)."""
         priced = self.priced.get(batch, set())
-        fit = self.cost[batch] if {0, self.max_k} <= priced else self._borrowed_fit(batch)
+        own = {0, self.max_k} <= priced
+        fit = self.cost[batch] if own else self._borrowed_fit(batch)
         if fit is None and batch <= self.cold_batch:
             if self._no_drafts_below(batch):  # drafting did not pay with fewer requests: nor here
                 return 0, False
             return (self.max_k if self.max_k not in priced else 0), False
         if fit is None and 0 not in priced:
             return 0, False  # many requests and nothing known: K = 0 first, what no speculation costs
-        best = 0 if fit is None else max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
+        # above cold_batch only this size's own prices start drafting: a K = 0 -> K > 0 switch also
+        # catches the drafter up over every request's tokens, which only a budgeted probe counts
+        borrowed = not own and batch > self.cold_batch
+        best = 0 if fit is None or borrowed else \
+            max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
         every = self.probe_every.setdefault(batch, self.min_probe_every)
         if self.verdict.get(batch, best) != best:
             self.probe_every[batch] = every = self.min_probe_every  # the verdict moved: watch closely again
