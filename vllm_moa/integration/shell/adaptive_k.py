@@ -18,7 +18,7 @@ config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) th
   measured over every drafted position at any batch size (GeometricAcceptance, as the
   runtime's speed control); the K of most B * E(K) / (c + s * K) tokens per second is chosen,
   and the end (max_k or 0) that was not chosen is re-tried now and then;
-* a batch size not yet priced at both ends starts from what is known (`BatchPrior`):
+* a batch size not yet priced at both ends starts from what is known (`_borrowed_fit`):
   - the nearest batch size priced at both ends, if it is within a factor of 2 above (its fit as
     it is: more requests make drafting pay less, not more), or below: then this size's own K = 0
     steps are priced first and the smaller size's cost of drafting is scaled up by the ratio of
@@ -82,12 +82,12 @@ class ScaledStepCost:
     size's cost of drafting (a drafting step's time beyond a K = 0 one) times `scale`, the ratio
     of the batch sizes."""
 
-    plain: WeightedLinearFit
+    own: StepCost
     smaller: StepCost
     scale: float
 
     def predict(self, k: int) -> float:
-        base = self.plain.predict(0, 1.0)
+        base = self.own.predict(0)
         return base if k == 0 else base + self.scale * max(0.0, self.smaller.predict(k) - self.smaller.predict(0))
 
 
@@ -215,7 +215,7 @@ class AdaptiveK:
         if nearest is None or nearest > batch:
             return None if nearest is None else self.cost[nearest]
         if 0 in self.priced.get(batch, set()):
-            return ScaledStepCost(self.cost[batch].plain, self.cost[nearest], batch / nearest)
+            return ScaledStepCost(self.cost[batch], self.cost[nearest], batch / nearest)
         return self.cost[nearest] if batch <= min(self.cold_batch, 2 * nearest) else None
 
     def observe(self, scheduler_output: Any, sampled_token_ids: list[list[int]], busy_after: bool) -> None:

@@ -45,9 +45,11 @@ def moa_checkpoint(model: Any) -> SpeculatorsSection | None:
     """The speculators section of `model` when it is a local MoA drafter directory; None for any
     other model (vLLM goes on as without the plugin). Raises SpeculatorsCheckpointError for a MoA
     drafter that has no section, or a malformed one."""
-    if not isinstance(model, (str, Path)) or not (Path(model) / CONFIG_NAME).is_file():
+    if not isinstance(model, (str, Path)):
         return None
     path = Path(model) / CONFIG_NAME
+    if not path.is_file():
+        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
