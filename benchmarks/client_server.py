@@ -317,6 +317,8 @@ def run_provenance(args) -> dict:
         serving_versions=versions("fastapi", "uvicorn", "httpx"),
         setup="server subprocess (vllm-moa serve, 1 torch thread) <- netsim proxy subprocess <- client "
               "(this process, 1 torch thread), all on 127.0.0.1",
+        # how long the vLLM backend's queue readers poll after a read (integration/shell/queue_spin.py)
+        engine_spin_ms=os.environ.get("VLLM_MOA_ENGINE_SPIN_MS") or "unset (the vLLM backend sets 2)",
         config={"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                 "offline_prompts": args.offline_prompts, "rtt_ms": RTTS, "bandwidth_mbit": BANDWIDTHS,
                 "drafts": "adaptive depth (serving/adaptive.py); trees 4 wide except moa-chain; the "

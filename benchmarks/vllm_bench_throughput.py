@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_moa.targets import fetch_smollm2
 
     target = str(fetch_smollm2())
+    # at the start: the code that runs, whatever changes in the tree during the run
+    origin = provenance(target="SmolLM2-135M-Instruct", configs={NONE: None, **CONFIGS}, engine_args=ENGINE_ARGS,
+                        num_prompts=args.num_prompts, output_len=args.output_len, rounds=args.rounds,
+                        prompts="SmolLM2's held-out chat prompts (shipped beside its drafter)")
     names = list(CONFIGS)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,11 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             result = bench(target, CONFIGS.get(name), seqs, dataset, args, Path(tmp) / f"{i}.json")
             runs.append({"round": r, "max_num_seqs": seqs, "config": name, **result})
     rows = summarise(runs, args.max_num_seqs)
-    record = {"provenance": provenance(target="SmolLM2-135M-Instruct", configs={NONE: None, **CONFIGS},
-                                       engine_args=ENGINE_ARGS, num_prompts=args.num_prompts,
-                                       output_len=args.output_len, rounds=args.rounds,
-                                       prompts="SmolLM2's held-out chat prompts (shipped beside its drafter)"),
-              "rows": rows, "runs": runs}
+    record = {"provenance": origin, "rows": rows, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     plot(rows, args.max_num_seqs, args.out.with_suffix(".png"))

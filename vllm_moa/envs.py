@@ -38,6 +38,11 @@ or a child process that sets one sees it. This module imports nothing of the pac
                                    package)
     VLLM_MOA_LSA_TRITON_MAX_TOKENS under auto, LSA calls over more tokens run as the PyTorch twin
                                    on GPUs too (default 256; read by kernels/_backend.py)
+    VLLM_MOA_ENGINE_SPIN_MS        milliseconds a reader of vLLM's shared-memory queues (engine
+                                   core, workers) keeps polling after a read before it sleeps on
+                                   its socket (integration/shell/queue_spin.py); unset: vLLM's
+                                   own (1,000 ms), except in the client-server backend's engine,
+                                   which sets 2 ms for it (integration/serve/vllm_backend.py)
 """
 
 from __future__ import annotations
@@ -55,6 +60,20 @@ def _flag(name: str, default: bool | None) -> bool | None:
     if not value:
         return default
     return value not in _FALSE
+
+
+def _milliseconds(name: str) -> float | None:
+    """A duration in milliseconds (>= 0), None when unset; a bad value raises ValueError naming it."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"{name} must be a number of milliseconds >= 0, got {value!r}")
+    return ms
 
 
 def _cache() -> Path:
@@ -76,6 +95,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_TP_TAP_DTYPE": lambda: (os.environ.get("VLLM_MOA_TP_TAP_DTYPE") or "auto").strip().lower(),
     "VLLM_MOA_KERNELS": lambda: (os.environ.get("VLLM_MOA_KERNELS") or "auto").strip().lower(),
     "VLLM_MOA_LSA_TRITON_MAX_TOKENS": lambda: int(os.environ.get("VLLM_MOA_LSA_TRITON_MAX_TOKENS") or 256),
+    "VLLM_MOA_ENGINE_SPIN_MS": lambda: _milliseconds("VLLM_MOA_ENGINE_SPIN_MS"),
 }
 
 

@@ -265,6 +265,7 @@ def test_moa_adaptive_is_a_declared_field_on_by_default(demo_target, demo_drafte
     key."""
     from vllm.config.speculative import SpeculativeConfig
 
+    from vllm_moa.integration.shell.adaptive_k import chain_k_of_tree
     from vllm_moa.integration.shell.moa_defaults import requested_adaptive
 
     assert "moa_adaptive" in SpeculativeConfig.__dataclass_fields__
@@ -289,3 +290,26 @@ def test_moa_adaptive_is_a_declared_field_on_by_default(demo_target, demo_drafte
     with pytest.raises(Exception, match="applies to speculative method 'moa' only"):
         engine_config(demo_target, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                     "moa_adaptive": True})
+    assert chain_k_of_tree(spec) == 3  # the tree's engine falls back to chains of at most 3 (its depth)
+    assert chain_k_of_tree(engine_config(demo_target, chain).speculative_config) is None
+
+
+def test_queue_readers_busy_poll_as_vllm_moa_engine_spin_ms_says(monkeypatch, tmp_path):
+    """SpinConditionPatch on vLLM's own SpinCondition: a reader built while the env is set polls
+    that many ms after a read (the client-server backend's engine: 2); unset, vLLM's 1 s; a
+    writer never polls."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from vllm_moa.integration.shell.queue_spin import SPIN_ENV
+
+    context = zmq.Context()
+    address = f"ipc://{tmp_path}/notify"
+    try:
+        monkeypatch.setenv(SPIN_ENV, "2")
+        assert SpinCondition(True, context, address).busy_loop_s == pytest.approx(0.002)
+        assert SpinCondition(False, context, f"{address}-writer").busy_loop_s == 0
+        monkeypatch.delenv(SPIN_ENV)
+        assert SpinCondition(True, context, address).busy_loop_s == 1
+    finally:
+        context.destroy(linger=0)

@@ -205,6 +205,30 @@ def test_bad_input_over_vllm_gets_4xx_with_a_message(world):
         type(backend)(TARGET, tensor_parallel_size=2)
 
 
+def test_an_idle_engine_stops_polling_its_queues_within_milliseconds(world):
+    """The backend's engine (queue_spin.py: its queue readers poll 2 ms after a read, not vLLM's
+    1 s): in the second after a call its processes use a small share of the CPU time that a
+    second of polling by the engine core and the worker would take. The worst of three tries
+    counts, so a busy machine cannot pass it for the patch."""
+    import time
+
+    import psutil
+
+    def engine_cpu_seconds() -> float:
+        processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+        assert processes, [p.name() for p in psutil.Process().children(recursive=True)]
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    idle = []
+    for _ in range(3):
+        assert list(world["backend"].generate(GenerateRequest(prompt=[1, 2, 3], max_tokens=2)))
+        time.sleep(0.05)
+        before = engine_cpu_seconds()
+        time.sleep(1.0)
+        idle.append(engine_cpu_seconds() - before)
+    assert max(idle) < 0.3, idle
+
+
 def test_an_engine_that_dies_is_reported_and_calls_fail_fast(world):
     """Last in this module: kills vLLM's engine-core process. Health turns 503 with the reason
     (noticed while idle); calls get a 503 instead of hanging."""

@@ -16,9 +16,9 @@ class Engine:
     """Steps of `batch` decoding requests at the K the table gives, each taking `cost(batch, K)`
     seconds and yielding `accepted(K)` + 1 tokens per request; the previous step's K is verified."""
 
-    def __init__(self, cost, accepted, **table) -> None:
+    def __init__(self, cost, accepted, max_k: int = MAX_K, **table) -> None:
         self.now, self.cost, self.accepted = 0.0, cost, accepted
-        self.table = AdaptiveK(MAX_K, clock=lambda: self.now, **table)
+        self.table = AdaptiveK(max_k, clock=lambda: self.now, **table)
         self.drafted: dict[str, int] = {}
         self.context = 0  # tokens each request holds before a step (those that end are replaced)
 
@@ -167,6 +167,49 @@ def test_a_fixed_cost_of_drafting_at_all_keeps_small_k_from_looking_cheap():
     assert sum(k == 0 for k in ks[6:]) > 0.9 * len(ks[6:]) and 1 not in ks
 
 
+TREE = 8  # a tree engine's node budget (max_k); its chains are at most 3 long
+
+
+def tree_engine(tree_step: float, **table) -> Engine:
+    """A tree of 8 nodes yields 5 tokens per request and step and costs `tree_step` K = 0 steps;
+    a chain of K accepts min(K, 2) drafts for 1 + 0.05 * K K = 0 steps (1 + 0.3 * K at 16 requests)."""
+    def cost(batch, k):
+        if k == TREE:
+            return 0.01 * tree_step * (1 if batch == 1 else 3)
+        return 0.01 * (1 + (0.05 if batch == 1 else 0.3) * k)
+
+    return Engine(cost, lambda k: 4 if k == TREE else min(k, 2), max_k=TREE, **table)
+
+
+def test_a_tree_engine_falls_back_to_the_chain_that_pays_then_to_k_0():
+    """A tree whose step costs three plain ones (vLLM's CPU engine: the tree mask) against its 5
+    tokens: after pricing the tree, the chain of 3 and K = 0, one request settles on a chain (3
+    tokens for 1.15 steps) and 16 on K = 0; a tree that costs 1.8 steps is kept (priced at its
+    tokens as measured: the chains' acceptance rate would price 8 levels at ~2.9). Without the
+    ladder (every K in 0..8 on one line through the tree's price) one request drafts the whole
+    tree at every step."""
+    dear = tree_engine(3.0, tree_chain_k=3)
+    ones = [dear.step(1) for _ in range(200)]
+    assert ones[:9] == [TREE] * 3 + [3] * 3 + [0] * 3, ones[:9]
+    assert sum(1 <= k <= 3 for k in ones[-100:]) > 80 and not set(ones) - {0, 1, 2, 3, TREE}, ones
+    sixteens = [dear.step(16) for _ in range(200)]
+    assert sum(k == 0 for k in sixteens[-100:]) > 80, sixteens
+    cheap = tree_engine(1.8, tree_chain_k=3)
+    assert sum(k == TREE for k in [cheap.step(1) for _ in range(200)][-100:]) > 80
+    one_line = tree_engine(3.0)
+    assert sum(k == TREE for k in [one_line.step(1) for _ in range(200)][-100:]) > 80
+
+
+def test_a_tree_engine_probes_the_rungs_it_did_not_choose_in_turn():
+    """Settled on a chain, the tree engine's probes alternate between the whole tree and K = 0."""
+    engine = tree_engine(3.0, tree_chain_k=3, probe_every=4, max_probe_every=4)
+    ks = [engine.step(1) for _ in range(400)]
+    probes = [k for i, k in enumerate(ks[9:]) if k in (0, TREE) and (i == 0 or ks[9 + i - 1] != k)]
+    assert TREE in probes and 0 in probes, probes
+
+
 def test_max_k_must_be_positive():
     with pytest.raises(ValueError, match="max_k"):
         AdaptiveK(0)
+    with pytest.raises(ValueError, match="tree_chain_k"):
+        AdaptiveK(4, tree_chain_k=4)

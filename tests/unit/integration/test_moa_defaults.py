@@ -16,6 +16,7 @@ from vllm_moa.integration.shell.moa_defaults import (
     resolve_adaptive,
     shipped_drafter_for,
     shipped_moa_drafters,
+    tree_chain_k,
 )
 from vllm_moa.shipped import SHIPPED, SHIPPED_SMOLLM2
 
@@ -76,3 +77,9 @@ def test_apply_defaults_fills_only_what_was_left_out():
     apply_defaults(tree, actual)  # a tree as the README writes it turns itself down too
     assert tree.moa_adaptive is True and requested_adaptive(tree)
     assert tree.num_speculative_tokens_per_batch_size == [(1, 4, 16), (5, 5, 0)]
+
+
+@pytest.mark.parametrize(("depth", "budget", "chain"), [(5, 16, 4), (3, 16, 3), (4, 4, 3), (8, 2, 1), (3, 1, None)])
+def test_a_tree_falls_back_to_the_chain_default_no_deeper_than_the_tree_and_below_its_budget(depth, budget, chain):
+    assert tree_chain_k(depth, budget) == chain
+    assert DEFAULT_NUM_SPECULATIVE_TOKENS == 4

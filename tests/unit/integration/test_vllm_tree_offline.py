@@ -333,3 +333,19 @@ def test_tree_setup_refuses_what_acts_on_chain_verification():
                            (SimpleNamespace(), object(), "kv_transfer_config")):
         with pytest.raises(UnsupportedMoASetup, match=word):
             check_tree_setup(spec, kv)
+
+
+def test_a_tree_engine_scheduled_no_more_drafts_than_its_depth_drafts_the_chain():
+    """K by measured speed schedules a tree engine's chains as K <= its depth (adaptive_k.py): those
+    steps draft the chain loop's K tokens and drop the trees of earlier steps, so that no step
+    verifies a stale tree; K = 0 drafts nothing and the whole budget the tree."""
+    from vllm_moa.integration.moa.tree_drafts import TreeDrafting
+
+    trees = TreeDrafting(DraftSpec.tree(5, 4, 16), 16, True, logger=None)
+    trees.drafted = _drafted()
+    assert not trees.drafts_chain(0) and not trees.drafts_chain(16) and not trees.drafts_chain(6)
+    assert trees.drafted.by_request  # a tree step keeps the trees verification reads
+    assert all(trees.drafts_chain(k) for k in (1, 4, 5))
+    assert not trees.drafted.by_request
+    chain_shaped = TreeDrafting(DraftSpec.tree(4, 1, 4), 4, False, logger=None)
+    assert chain_shaped.drafts_chain(3) and not chain_shaped.drafts_chain(4)

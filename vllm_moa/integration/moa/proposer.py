@@ -153,7 +153,9 @@ class MoAProposer(DraftModelProposer):
         # 4. lookup drafts (lookup_drafts.py): the requests that draft from lookup this step
         lookups = None if self.lookups is None else self.lookups.plan(
             view, target_token_ids, next_token_ids, starts, num_rejected_tokens_gpu, num_speculative_tokens)
-        drafting_steps = min(1, num_speculative_tokens) if self.trees is not None else num_speculative_tokens
+        # a tree engine scheduled no more drafts than its depth drafts the chain (tree_drafts.py)
+        chains = self.trees is None or self.trees.drafts_chain(num_speculative_tokens)
+        drafting_steps = num_speculative_tokens if chains else min(1, num_speculative_tokens)
         if lookups is not None and lookups.every_row:
             drafting_steps = 0  # the first pass only: it keeps SA's KV cache in step (as vLLM's dynamic K=0)
         # 5. vLLM's draft-model loop: the first pass (+ K - 1 chain steps)
@@ -165,7 +167,7 @@ class MoAProposer(DraftModelProposer):
                 num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings,
             )  # [B, K] (a chain), [B, 1] after the first pass that a tree grows from, or [B, 0]
             # 6. chains (with lookup rows in place), or trees grown from the first pass
-            if self.trees is None:
+            if chains:
                 if lookups is None:
                     return first_pass
                 drafts, self._last_draft_probs = self.lookups.chains(

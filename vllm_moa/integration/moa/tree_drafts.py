@@ -3,6 +3,7 @@ the trees grown from the first pass, and the hooks that hand them to verificatio
 
     step_spec   this step's shape: the tree asked for, or with chain_if_faster the tree or the
                 chain of its budget, whichever measures faster (tree_or_chain.py)
+    drafts_chain  a step scheduled no more drafts than the tree's depth drafts the chain instead
     grow        an EAGLE-2 tree per request (decoding/tree.py's TreeGrowth, all requests' levels
                 in one drafter forward: tree_levels.py), or the request's
                 lookup tree (lookup_drafts.py); the first `count` nodes in preorder go to the
@@ -67,6 +68,17 @@ class TreeDrafting:
         """Let TreeAttentionPatch find this object on the target's attention layers."""
         for layer in target_layers:
             setattr(layer, compat.TREE_VERIFIER_ATTR, self)
+
+    def drafts_chain(self, count: int) -> bool:
+        """Whether a step scheduled `count` drafts per request drafts a chain instead of a tree: a
+        cut to no more nodes than the tree's depth keeps only its best path, which the chain loop
+        drafts without growing the other nodes and vLLM verifies as a chain (K by measured speed
+        falls back to it: adaptive_k.py). The trees of earlier steps are dropped, so that no
+        step verifies a stale one."""
+        if not 0 < count <= min(self.spec.depth, self.spec.budget - 1):
+            return False
+        self.drafted.forget_all_but(set())
+        return True
 
     def step_spec(self, view: RunnerView, query_start_loc: list[int], num_rejected: Tensor | None) -> DraftSpec:
         if self.tree_or_chain is None:

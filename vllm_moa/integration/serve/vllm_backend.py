@@ -47,6 +47,7 @@ from vllm_moa.integration.serve.engine_driver import EngineDriver, EngineStopped
 from vllm_moa.integration.serve.live_sessions import LiveSessions
 from vllm_moa.integration.serve.verify_service import unpack
 from vllm_moa.integration.shell import compat
+from vllm_moa.integration.shell.queue_spin import SPIN_ENV, engine_spin
 from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
@@ -55,6 +56,10 @@ from vllm_moa.target import TargetOutput
 
 WORKER_EXTENSION = "vllm_moa.integration.serve.verify_service.VerifyWorkerExtension"
 SESSION_SCHEDULER = "vllm_moa.integration.serve.session_scheduler.SessionScheduler"
+# how long the engine's queue readers poll after a step before they sleep (VLLM_MOA_ENGINE_SPIN_MS
+# overrides): between rounds the engine waits on the network, and vLLM's 1 s of polling per
+# reader would take the cores the next round needs
+ENGINE_SPIN_MS = 2.0
 
 
 class VLLMBackend(SessionBackend):
@@ -92,7 +97,13 @@ class VLLMBackend(SessionBackend):
             engine |= {"scheduler_cls": SESSION_SCHEDULER, "async_scheduling": False}
         args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
                           **engine)
-        self.driver = EngineDriver(args)
+        try:  # the engine's queue readers sleep 2 ms after a step, not 1 s (queue_spin.py)
+            with engine_spin(ENGINE_SPIN_MS):
+                self.driver = EngineDriver(args)
+        except ValueError as error:
+            if SPIN_ENV not in str(error):
+                raise
+            raise BackendError(str(error)) from None
         config = self.driver.engine.vllm_config
         # a round's prompt plus the one token vLLM generates must fit in max_model_len
         self._context = config.model_config.max_model_len - 1

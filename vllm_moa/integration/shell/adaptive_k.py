@@ -35,6 +35,15 @@ config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) th
   guessed as `hold` drafting steps plus the drafter's catch-up over every token of the batch's
   requests, at what a token of a prefill cost the target (steps with several tokens per request).
 
+A tree engine (moa_tree, node budget max_k) chooses on a ladder instead of every K: the whole
+tree (K = max_k), a chain of K <= `tree_chain_k` (moa_defaults.tree_chain_k: the best path of the
+tree, drafted and verified as a chain, without the tree's mask or its other nodes), or K = 0. Its
+three ends are priced first; the tree's step is priced apart from the chains' line (StepCost.tree)
+and its tokens per step as measured (a tree is not a chain of max_k levels), the chains' from the
+acceptance rate of chains. The probes visit the two rungs not chosen in turn. So on a machine
+where the tree's step costs more than its extra tokens (vLLM's CPU engine) a tree engine drafts
+the chain that pays, and none where none does.
+
 moa_defaults writes vLLM's own schedule to match for the steps before this table takes over
 (the first: max_k up to `COLD_BATCH` requests, 0 above).
 
@@ -55,7 +64,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_moa.decoding.speed_control import GeometricAcceptance, WeightedLinearFit
-from vllm_moa.integration.shell.moa_defaults import COLD_BATCH, requested_adaptive
+from vllm_moa.integration.shell.draft_config import requested_tree
+from vllm_moa.integration.shell.moa_defaults import COLD_BATCH, requested_adaptive, tree_chain_k
 from vllm_moa.integration.shell.patching import VllmPatch
 
 
@@ -64,16 +74,25 @@ class StepCost:
     """A batch size's step time: K = 0 steps (no drafter, nothing to verify) apart from drafting
     ones, which also pay a cost of drafting at all (the drafter's call, the rejection sampler), so
     that a line through K = 0 and K = max_k would promise small K too cheaply. Drafting steps are
-    fitted as c + s * K over the K priced (one K priced: the same time for every K >= 1)."""
+    fitted as c + s * K over the K priced (one K priced: the same time for every K >= 1). For a
+    tree engine the whole tree (K = `tree_k`) is priced on its own: its step pays the tree mask
+    and its drafting every level's nodes, which no line through the chains' K predicts."""
 
     plain: WeightedLinearFit
     drafting: WeightedLinearFit
+    tree: WeightedLinearFit | None = None
+    tree_k: int = 0
+
+    def _fit(self, k: int) -> WeightedLinearFit:
+        if k == 0:
+            return self.plain
+        return self.tree if self.tree is not None and k == self.tree_k else self.drafting
 
     def predict(self, k: int) -> float:
-        return self.plain.predict(0, 1.0) if k == 0 else self.drafting.predict(k, 1.0)
+        return self._fit(k).predict(k, 1.0)
 
     def add(self, k: int, seconds: float) -> None:
-        (self.drafting if k else self.plain).add(k, seconds)
+        self._fit(k).add(k, seconds)
 
 
 @dataclass
@@ -107,14 +126,25 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, hold: int = 3, probe_every: int = 16, max_probe_every: int = 128,
                  probe_budget: float = 0.03, decay: float = 0.95, cold_batch: int = COLD_BATCH,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 tree_chain_k: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if tree_chain_k is not None and not 1 <= tree_chain_k < max_k:
+            raise ValueError(f"tree_chain_k must be in 1..{max_k - 1} (below the tree's budget), got {tree_chain_k}")
         self.max_k, self.hold, self.clock, self.decay, self.cold_batch = max_k, hold, clock, decay, cold_batch
+        # K = max_k is the whole tree and K <= tree_chain_k chains for a tree engine (the module
+        # docstring's ladder); the ends are priced first, in this order
+        self.tree_chain_k = tree_chain_k
+        self.ends = (max_k, 0) if tree_chain_k is None else (max_k, tree_chain_k, 0)
+        # an end not priced here is probed cheapest first (the chain before the tree)
+        self.probe_order = self.ends if tree_chain_k is None else (tree_chain_k, max_k, 0)
+        self.candidates = list(range(max_k + 1)) if tree_chain_k is None else [*range(tree_chain_k + 1), max_k]
+        self.tree_yield: float | None = None  # a whole tree's tokens per request and step (EMA)
+        self.probes: dict[int, int] = {}  # batch size -> drafting probes taken (a tree engine alternates)
         self.min_probe_every, self.max_probe_every, self.probe_budget = probe_every, max_probe_every, probe_budget
         # one per-level acceptance rate for every batch size (what a draft is worth does not
         # depend on how many requests run beside it); the last ~512 drafted positions count
-        self.acceptance = GeometricAcceptance(memory_trials=512.0)
+        self.acceptance = GeometricAcceptance(memory_trials=512.0)  # of chains (not whole trees)
         self.cost: dict[int, StepCost] = {}  # batch size -> its step time by K
         self.priced: dict[int, set[int]] = {}  # batch size -> the K priced there
         self.window: dict[int, Window] = {}  # batch size -> its current window
@@ -138,7 +168,18 @@ class AdaptiveK:
         return window.k
 
     def tokens_per_second(self, batch: int, k: int, fit: StepCost | ScaledStepCost) -> float:
-        return batch * self.acceptance.expected_tokens(k) / max(1e-9, fit.predict(k))
+        return batch * self.expected_tokens(k) / max(1e-9, fit.predict(k))
+
+    def expected_tokens(self, k: int) -> float:
+        """A request's tokens per step at K: a whole tree's as measured, a chain's from the
+        per-level acceptance rate."""
+        if self.tree_chain_k is not None and k == self.max_k and self.tree_yield is not None:
+            return self.tree_yield
+        return self.acceptance.expected_tokens(k)
+
+    def new_cost(self) -> StepCost:
+        fit = functools.partial(WeightedLinearFit, self.decay)
+        return StepCost(fit(), fit(), None if self.tree_chain_k is None else fit(), self.max_k)
 
     def choose(self, batch: int) -> tuple[int, bool]:
         """(K, probe) of the next `hold` steps at `batch` requests: the ends priced first where
@@ -148,43 +189,53 @@ class AdaptiveK:
         chosen also waits until the K = 0 steps since the last one took 1 / probe_budget times
         what that one cost beyond them (before one was priced here: `_first_probe_guess`)."""
         priced = self.priced.get(batch, set())
-        own = {0, self.max_k} <= priced
+        own = set(self.ends) <= priced
         fit = self.cost[batch] if own else self._borrowed_fit(batch)
         if fit is None and batch <= self.cold_batch:
             if self._no_drafts_below(batch):  # drafting did not pay with fewer requests: nor here
                 return 0, False
-            return (self.max_k if self.max_k not in priced else 0), False
+            return next(k for k in self.ends if k not in priced), False
         if fit is None and 0 not in priced:
             return 0, False  # many requests and nothing known: K = 0 first, what no speculation costs
         # above cold_batch only this size's own prices start drafting: a K = 0 -> K > 0 switch also
         # catches the drafter up over every request's tokens, which only a budgeted probe counts
         borrowed = not own and batch > self.cold_batch
         best = 0 if fit is None or borrowed else \
-            max(range(self.max_k + 1), key=lambda k: self.tokens_per_second(batch, k, fit))
+            max(self.candidates, key=lambda k: self.tokens_per_second(batch, k, fit))
         every = self.probe_every.setdefault(batch, self.min_probe_every)
         if self.verdict.get(batch, best) != best:
             self.probe_every[batch] = every = self.min_probe_every  # the verdict moved: watch closely again
         self.verdict[batch] = best
         self.choices[batch] = self.choices.get(batch, 0) + 1
-        missing = [k for k in (self.max_k, 0) if k not in priced and k != best]
-        probe = missing[0] if missing else (0 if best else self.max_k)
+        missing = [k for k in self.probe_order if k not in priced and k != best]
+        probe = missing[0] if missing else self._next_probe(batch, best)
         affordable = probe == 0 or best != 0 or \
             self.plain_seconds.get(batch, 0.0) * self.probe_budget >= self.probe_cost.get(
-                batch, self._first_probe_guess(batch, fit))
+                batch, self._first_probe_guess(batch, fit, probe))
         if self.choices[batch] < every or not affordable:
             return best, False
         self.choices[batch] = 0
+        self.probes[batch] = self.probes.get(batch, 0) + 1
         if not missing:
             self.probe_every[batch] = min(self.max_probe_every, 2 * every)
         return probe, True
 
-    def _first_probe_guess(self, batch: int, fit: StepCost | ScaledStepCost | None) -> float:
-        """What the first drafting probe at `batch` costs beyond K = 0 steps, before one was priced:
-        `hold` steps at max_k (without a fit: each taken as two K = 0 steps), and the drafter's
-        catch-up over every token the batch's requests hold, at a prefill token's cost (else at a
-        K = 0 step's cost per request, which is more)."""
+    def _next_probe(self, batch: int, best: int) -> int:
+        """The end probed once every end is priced: the other end of a chain engine; for a tree
+        engine the two ends of the ladder that were not chosen, in turn (a chain chosen: K = 0 and
+        the whole tree; the tree or K = 0 chosen: the other one and tree_chain_k)."""
+        if self.tree_chain_k is None:
+            return 0 if best else self.max_k
+        others = [k for k in self.ends if k != (self.tree_chain_k if 0 < best < self.max_k else best)]
+        return others[self.probes.get(batch, 0) % len(others)]
+
+    def _first_probe_guess(self, batch: int, fit: StepCost | ScaledStepCost | None, k: int) -> float:
+        """What the first drafting probe (at K = k) at `batch` costs beyond K = 0 steps, before one
+        was priced: `hold` steps at k (without a fit: each taken as two K = 0 steps), and the
+        drafter's catch-up over every token the batch's requests hold, at a prefill token's cost
+        (else at a K = 0 step's cost per request, which is more)."""
         plain = self.cost[batch].predict(0) if batch in self.cost else 0.0
-        extra = plain if fit is None else fit.predict(self.max_k) - fit.predict(0)
+        extra = plain if fit is None else fit.predict(k) - fit.predict(0)
         per_token = self.token_seconds if self.token_seconds is not None else plain / batch
         return self.hold * max(0.0, extra) + self.context.get(batch, 0) * per_token
 
@@ -202,14 +253,14 @@ class AdaptiveK:
         request does not grow with the requests beside it, and what verifying costs does, so a
         batch size above one where drafting did not pay starts at K = 0 instead of paying for
         `hold` steps at max_k to find out (they cost most at the largest batches)."""
-        return any(b < batch and k == 0 and {0, self.max_k} <= self.priced.get(b, set())
+        return any(b < batch and k == 0 and set(self.ends) <= self.priced.get(b, set())
                    for b, k in self.verdict.items())
 
     def _borrowed_fit(self, batch: int) -> StepCost | ScaledStepCost | None:
         """The fit of the nearest batch size priced at both ends: one within a factor of 2 above as
         it is; one below scaled up to `batch` (ScaledStepCost) once K = 0 is priced here, or as it
         is within a factor of 2 for up to `cold_batch` requests. None: nothing to start from."""
-        both = [b for b, ks in self.priced.items() if {0, self.max_k} <= ks and b != batch]
+        both = [b for b, ks in self.priced.items() if set(self.ends) <= ks and b != batch]
         usable = [b for b in both if batch < b <= 2 * batch or b < batch]
         nearest = min(usable, key=lambda b: (abs(math.log(b / batch)), b), default=None)
         if nearest is None or nearest > batch:
@@ -243,10 +294,15 @@ class AdaptiveK:
                 self.plain_seconds[batch] = self.plain_seconds.get(batch, 0.0) + now - started
         if not only_decoding or any(v != k for v in verified) or len(sampled_token_ids) != batch:
             return
-        self.cost.setdefault(batch, StepCost(WeightedLinearFit(self.decay), WeightedLinearFit(self.decay))).add(
-            k, now - started)
+        if batch not in self.cost:
+            self.cost[batch] = self.new_cost()
+        self.cost[batch].add(k, now - started)
         self.priced.setdefault(batch, set()).add(k)
-        if k:
+        if k and self.tree_chain_k is not None and k == self.max_k:
+            tokens = sum(len(t) for t in sampled_token_ids) / batch
+            self.tree_yield = tokens if self.tree_yield is None else \
+                self.decay * self.tree_yield + (1 - self.decay) * tokens
+        elif k:
             self.acceptance.observe(k, [max(0, min(k, len(t) - 1)) for t in sampled_token_ids])
 
 
@@ -278,7 +334,8 @@ class SchedulerUpdatePatch(VllmPatch):
             if not hasattr(self, CHECKED_ATTR):  # once per scheduler: is it a "moa" engine with K by speed?
                 setattr(self, CHECKED_ATTR, True)
                 if self.dynamic_sd_lookup is not None and adaptive_engine(self.vllm_config):
-                    self.dynamic_sd_lookup = AdaptiveK(self.vllm_config.speculative_config.num_speculative_tokens)
+                    spec = self.vllm_config.speculative_config
+                    self.dynamic_sd_lookup = AdaptiveK(spec.num_speculative_tokens, tree_chain_k=chain_k_of_tree(spec))
             table = self.dynamic_sd_lookup
             outputs = original(self, scheduler_output, model_runner_output)
             if isinstance(table, AdaptiveK):
@@ -286,6 +343,12 @@ class SchedulerUpdatePatch(VllmPatch):
             return outputs
 
         setattr(owner, attr, update_from_output)
+
+
+def chain_k_of_tree(speculative_config: Any) -> int | None:
+    """The longest chain a tree engine falls back to (moa_defaults.tree_chain_k), None for chains."""
+    tree = requested_tree(speculative_config)
+    return None if tree is None else tree_chain_k(tree.depth, speculative_config.num_speculative_tokens)
 
 
 def adaptive_engine(vllm_config: Any) -> bool:

@@ -180,6 +180,11 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.config.vllm", "VllmConfig._maybe_disable_dynamic_sd_for_v1",
         "VllmConfig._maybe_disable_dynamic_sd_for_v1", "(self)", series=DYNAMIC_K_V1_SERIES,
     ),
+    # how long a reader of vLLM's shared-memory queues busy-polls (queue_spin.py)
+    "shm_spin_condition_init": PatchedSymbol(
+        "vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "SpinCondition.__init__",
+        "(self, is_reader, context, notify_address, busy_loop_s=1)",
+    ),
     # MoA drafters served by their directory (speculators_checkpoints.py): vLLM's reading of a
     # model's speculators_config, called by EngineArgs.create_engine_config through arg_utils' name
     "speculators_override": PatchedSymbol(

@@ -262,7 +262,7 @@ def requested_retrieval(speculative_config: Any) -> Any:
 def check_tree_setup(speculative_config: Any, kv_transfer_config: Any) -> None:
     """vLLM options that act on chain verification and that draft trees do not take (yet). A
     schedule of the user's is one; the mark moa_adaptive sets (moa_defaults.apply_defaults: K by
-    measured speed, the tree cut to its first K nodes) is not."""
+    measured speed: the tree, a chain of its best path or nothing) is not."""
     adaptive = getattr(speculative_config, ADAPTIVE_FIELD, None) is True
     chain_only = {
         SCHEDULE_FIELD: None if adaptive else getattr(speculative_config, SCHEDULE_FIELD, None),

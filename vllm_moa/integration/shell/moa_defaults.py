@@ -8,10 +8,10 @@ measured inside vLLM's engine, so that `{"method": "moa"}` alone is the configur
     moa_retrieval            {} (lookup drafts merged into the model's; `false` turns it off):
                              never slower than MoA alone in vLLM's CPU engine, at concurrency 1 and 16
     moa_adaptive             true without a schedule of the user's: K per batch size, 0 included,
-                             chosen from measured tokens per second (adaptive_k.py); for a tree
-                             (moa_tree) K is its node budget at most, K < budget drafts the
-                             tree's first K nodes in preorder (a chain along its best children
-                             when K <= depth); `false` drafts K (the whole tree) at every step
+                             chosen from measured tokens per second (adaptive_k.py); a tree
+                             (moa_tree) chooses among the whole tree, the chains of its best
+                             path up to tree_chain_k tokens and K = 0; `false` drafts K (the
+                             whole tree) at every step
 
 A drafter checkpoint that carries speculators keys (speculators_format.py) fills these first: its
 proposal method's speculative_tokens, moa_tree, moa_retrieval and moa_adaptive, for the fields the
@@ -96,6 +96,14 @@ def apply_defaults(speculative_config: Any, actual: Any) -> None:
 # K by measured speed (adaptive_k.py) with nothing priced near a batch size: up to this many
 # requests it prices K = max_k first, more start at K = 0
 COLD_BATCH = 4
+
+
+def tree_chain_k(depth: int, budget: int) -> int | None:
+    """The longest chain a tree engine with K by measured speed falls back to: the chain default
+    (DEFAULT_NUM_SPECULATIVE_TOKENS), no deeper than the tree and below its node budget; None
+    where no chain fits (a budget of 1)."""
+    k = min(depth, DEFAULT_NUM_SPECULATIVE_TOKENS, budget - 1)
+    return k if k >= 1 else None
 
 
 def adaptive_schedule(max_k: int) -> list[tuple[int, int, int]]:
