@@ -188,8 +188,23 @@ def summarize(engines: list[dict], args: argparse.Namespace) -> list[dict]:
                 "inter_token_seconds": [m.get("inter_token_seconds") for m in runs],
                 "mean_time_per_output_token_s": [m.get("mean_time_per_output_token_s") for m in runs],
                 "equals_no_speculation": all(m["outputs"] == reference[section][key]["outputs"] for m in runs),
+                # where a run's tokens part from no speculation's: enough to trace it (tie_check-style)
+                "differences": [d for i, m in enumerate(runs)
+                                for d in differences(m["outputs"], reference[section][key]["outputs"], i)],
             })
     return rows
+
+
+def differences(got: list[list[int]], want: list[list[int]], round_index: int) -> list[dict]:
+    """Per request whose tokens differ from the reference's: the round, the request's index, the
+    first differing position, the tokens from there (3 of each) and the reference's prefix before."""
+    found = []
+    for request, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        if mine != theirs:
+            at = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            found.append({"round": round_index, "request": request, "position": at, "got": mine[at:at + 3],
+                          "want": theirs[at:at + 3], "want_prefix": theirs[:at]})
+    return found
 
 
 def strip_outputs(engines: list[dict]) -> list[dict]:
