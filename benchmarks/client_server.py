@@ -54,6 +54,8 @@ from benchmarks.client_server_users import plot_users, run_users
 from benchmarks.provenance import provenance as common_provenance
 from benchmarks.provenance import versions
 from vllm_moa.decoding.chain import plain_greedy_generate
+from vllm_moa.integration.serve.vllm_backend import ENGINE_SPIN_MS
+from vllm_moa.integration.shell.queue_spin import SPIN_ENV
 from vllm_moa.models import load_drafter
 from vllm_moa.serving.client import RemoteDraftingClient, Transcript
 from vllm_moa.serving.netsim import LinkConditions, NetSimProcess
@@ -318,7 +320,7 @@ def run_provenance(args) -> dict:
         setup="server subprocess (vllm-moa serve, 1 torch thread) <- netsim proxy subprocess <- client "
               "(this process, 1 torch thread), all on 127.0.0.1",
         # how long the vLLM backend's queue readers poll after a read (integration/shell/queue_spin.py)
-        engine_spin_ms=os.environ.get("VLLM_MOA_ENGINE_SPIN_MS") or "unset (the vLLM backend sets 2)",
+        engine_spin_ms=os.environ.get(SPIN_ENV) or f"unset (the vLLM backend sets {ENGINE_SPIN_MS:g})",
         config={"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                 "offline_prompts": args.offline_prompts, "rtt_ms": RTTS, "bandwidth_mbit": BANDWIDTHS,
                 "drafts": "adaptive depth (serving/adaptive.py); trees 4 wide except moa-chain; the "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vllm_moa import envs
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.integration.moa.tree_verification import preorder_nodes
 from vllm_moa.integration.serve.chunk_args import ROLLBACK_ARG, TREE_KEY, VERIFY_ARG
@@ -47,7 +48,7 @@ from vllm_moa.integration.serve.engine_driver import EngineDriver, EngineStopped
 from vllm_moa.integration.serve.live_sessions import LiveSessions
 from vllm_moa.integration.serve.verify_service import unpack
 from vllm_moa.integration.shell import compat
-from vllm_moa.integration.shell.queue_spin import SPIN_ENV, engine_spin
+from vllm_moa.integration.shell.queue_spin import engine_spin
 from vllm_moa.integration.shell.signature import signature_from_hf_config
 from vllm_moa.models import Drafter
 from vllm_moa.serving.backend import BackendError, BackendSession, SessionBackend, _sampling
@@ -97,13 +98,12 @@ class VLLMBackend(SessionBackend):
             engine |= {"scheduler_cls": SESSION_SCHEDULER, "async_scheduling": False}
         args = EngineArgs(model=str(target_dir), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION,
                           **engine)
-        try:  # the engine's queue readers sleep 2 ms after a step, not 1 s (queue_spin.py)
-            with engine_spin(ENGINE_SPIN_MS):
-                self.driver = EngineDriver(args)
+        try:  # a bad VLLM_MOA_ENGINE_SPIN_MS is refused before any engine process starts
+            envs.VLLM_MOA_ENGINE_SPIN_MS  # noqa: B018 (reading it checks it)
         except ValueError as error:
-            if SPIN_ENV not in str(error):
-                raise
             raise BackendError(str(error)) from None
+        with engine_spin(ENGINE_SPIN_MS):  # its queue readers sleep 2 ms after a step, not 1 s (queue_spin.py)
+            self.driver = EngineDriver(args)
         config = self.driver.engine.vllm_config
         # a round's prompt plus the one token vLLM generates must fit in max_model_len
         self._context = config.model_config.max_model_len - 1
