@@ -117,6 +117,9 @@ class PassResult(BaseModel):
     prefix_cache_hits: int = 0  # tokens, this pass alone
     preemptions: int = 0  # this pass alone
     inter_token_seconds: float | None = None  # vLLM's mean time between a request's outputs, this pass
+    # [prompt] -> the draft tokens its request verified, where the engine was built with
+    # per_request_spec_decode_metrics (EngineRun.engine); else empty
+    draft_tokens: list[int | None] = Field(default_factory=list)
 
 
 class StreamResult(StreamTimes):
@@ -221,6 +224,7 @@ def execute(run: EngineRun) -> EngineResult:
                                       "seed": None if run.seed is None else run.seed + i, **more})
                     for i, (t, more) in enumerate(zip(temperatures, extra))]
         many = any(more.get("n", 1) > 1 for more in extra)
+        per_request = run.engine.get("per_request_spec_decode_metrics", "none") != "none"
         wants_logprobs = any(more.get("logprobs") is not None for more in extra)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
         passes, before, hits_before, preempted_before = [], SpecDecodeCounters(), 0, 0
@@ -233,6 +237,7 @@ def execute(run: EngineRun) -> EngineResult:
             outputs: list[list[int]] = []
             completions: list[list[list[int]]] = []
             logprobs: list[list[float] | None] = []
+            draft_tokens: list[int | None] = []
             start = time.perf_counter()
             for first in range(0, count, size):
                 last = min(first + size, count)
@@ -240,6 +245,7 @@ def execute(run: EngineRun) -> EngineResult:
                 outputs += [list(o.outputs[0].token_ids) for o in done]
                 completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
                 logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
+                draft_tokens += [request_draft_tokens(o.outputs[0]) for o in done] if per_request else []
             seconds = time.perf_counter() - start
             metrics = llm.get_metrics()
             after, hits, preempted = (spec_decode_counters(metrics), counter_total(metrics, PREFIX_CACHE_HITS),
@@ -247,7 +253,7 @@ def execute(run: EngineRun) -> EngineResult:
             itl = histogram_totals(metrics, INTER_TOKEN)
             steps = itl[1] - itl_before[1]
             passes.append(PassResult(concurrency=min(size, count), outputs=outputs, completions=completions,
-                                     logprobs=logprobs, seconds=seconds, spec_decode=after.minus(before),
+                                     logprobs=logprobs, draft_tokens=draft_tokens, seconds=seconds, spec_decode=after.minus(before),
                                      prefix_cache_hits=hits - hits_before, preemptions=preempted - preempted_before,
                                      inter_token_seconds=(itl[0] - itl_before[0]) / steps if steps else None))
             before, hits_before, preempted_before, itl_before = after, hits, preempted, itl
@@ -302,6 +308,12 @@ def resolved_speculative_config(spec: Any) -> dict[str, Any]:
     if spec is None:
         return {}
     return {name: getattr(spec, name) for name in RESOLVED_FIELDS if getattr(spec, name, None) is not None}
+
+
+def request_draft_tokens(completion: Any) -> int | None:
+    """The draft tokens a finished request verified (vLLM's per-request spec-decode metrics)."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    return None if metrics is None else int(metrics.num_draft_tokens)
 
 
 def sampled_logprobs(completion: Any) -> list[float] | None:

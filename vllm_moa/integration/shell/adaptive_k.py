@@ -158,6 +158,9 @@ class AdaptiveK:
         self.last_end: float | None = None  # when the previous busy step's output arrived
         self.context: dict[int, int] = {}  # batch size -> the tokens its requests held at its last step
         self.token_seconds: float | None = None  # what a token of a prefill costs (EMA)
+        # request_gate.RequestGate (K by request), installed by its patch: which requests verify
+        # none of the step's K drafts; None: every request verifies them
+        self.gate: Any = None
 
     def __getitem__(self, batch: int) -> int:
         window = self.window.get(batch)
@@ -269,17 +272,33 @@ class AdaptiveK:
             return ScaledStepCost(self.cost[batch], self.cost[nearest], batch / nearest)
         return self.cost[nearest] if batch <= min(self.cold_batch, 2 * nearest) else None
 
-    def observe(self, scheduler_output: Any, sampled_token_ids: list[list[int]], busy_after: bool) -> None:
-        """One step's output: price it when it only decoded and verified the K it drafted;
-        `busy_after`: requests are still running (else the next interval includes idle time)."""
+    def drafting_ratio(self, batch: int, k: int) -> float | None:
+        """A step's time at K = k over one at K = 0 at `batch` requests, from this batch size's own
+        prices (K = 0 and some K > 0); None before both are priced."""
+        priced = self.priced.get(batch, set())
+        if 0 not in priced or not any(priced - {0}) or k == 0:
+            return None
+        fit = self.cost[batch]
+        return fit.predict(k) / max(1e-9, fit.predict(0))
+
+    def observe(self, scheduler_output: Any, sampled_token_ids: list[list[int]], busy_after: bool,
+                req_ids: list[str] | None = None) -> None:
+        """One step's output: price it when it only decoded and verified the K it drafted (requests
+        the gate withheld verify none: the step is priced at their batch's mean drafts per request);
+        `busy_after`: requests are still running (else the next interval includes idle time);
+        `req_ids`: the requests of `sampled_token_ids`' rows (the gate reads them)."""
         now = self.clock()
         started, self.last_end = self.last_end, now if busy_after else None
+        withheld = self.gate.withheld if self.gate is not None else frozenset()
+        if self.gate is not None and req_ids is not None:
+            self.gate.observe(scheduler_output, req_ids, sampled_token_ids)
         batch = len(scheduler_output.num_scheduled_tokens)
         if started is None or batch == 0:
             return
         k = scheduler_output.num_spec_tokens_to_schedule
         verified = [len(scheduler_output.scheduled_spec_decode_tokens.get(req, ())) for req in
                     scheduler_output.num_scheduled_tokens]
+        gated = [req in withheld for req in scheduler_output.num_scheduled_tokens]
         only_decoding = scheduler_output.total_num_scheduled_tokens == batch + sum(verified)
         self.context[batch] = context_tokens(scheduler_output)
         if k == 0 and not any(verified) and scheduler_output.total_num_scheduled_tokens >= 4 * batch:
@@ -292,12 +311,15 @@ class AdaptiveK:
             window.steps += 1
             if k == 0 and not window.probe:
                 self.plain_seconds[batch] = self.plain_seconds.get(batch, 0.0) + now - started
-        if not only_decoding or any(v != k for v in verified) or len(sampled_token_ids) != batch:
+        if not only_decoding or any(v != k and not (v == 0 and g) for v, g in zip(verified, gated)) \
+                or len(sampled_token_ids) != batch or (k and not any(verified)):
             return
         if batch not in self.cost:
             self.cost[batch] = self.new_cost()
-        self.cost[batch].add(k, now - started)
+        self.cost[batch].add(k * sum(1 for v in verified if v) / batch if k else 0, now - started)
         self.priced.setdefault(batch, set()).add(k)
+        if any(gated) and req_ids is not None:  # the acceptance of chains: the requests that verified drafts
+            sampled_token_ids = [t for r, t in zip(req_ids, sampled_token_ids) if r not in withheld]
         if k and self.tree_chain_k is not None and k == self.max_k:
             tokens = sum(len(t) for t in sampled_token_ids) / batch
             self.tree_yield = tokens if self.tree_yield is None else \
@@ -339,7 +361,8 @@ class SchedulerUpdatePatch(VllmPatch):
             table = self.dynamic_sd_lookup
             outputs = original(self, scheduler_output, model_runner_output)
             if isinstance(table, AdaptiveK):
-                table.observe(scheduler_output, model_runner_output.sampled_token_ids, bool(self.running))
+                table.observe(scheduler_output, model_runner_output.sampled_token_ids, bool(self.running),
+                              model_runner_output.req_ids)
             return outputs
 
         setattr(owner, attr, update_from_output)

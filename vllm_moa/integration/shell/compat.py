@@ -202,6 +202,11 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "Scheduler.update_from_output",
         "(self, scheduler_output, model_runner_output)",
     ),
+    # K by request (request_gate.py): each request's drafts, before the scheduler keeps them
+    "scheduler_update_draft_token_ids": PatchedSymbol(
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", "Scheduler.update_draft_token_ids",
+        "(self, draft_token_ids)",
+    ),
     "runner_prepare_inputs": PatchedSymbol(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs", "GPUModelRunner._prepare_inputs",
         "(self, scheduler_output, num_scheduled_tokens)", series=TREE_SERIES,

@@ -1,4 +1,4 @@
-"""Every change the plugin makes to vLLM's internals: eighteen declared patches, one per symbol
+"""Every change the plugin makes to vLLM's internals: nineteen declared patches, one per symbol
 (the mechanism: patching.py). Declared here: the config and routing patches; speculators_checkpoints.py,
 tree_patches.py, runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare
 the others, listed here too.
@@ -21,6 +21,8 @@ the others, listed here too.
                                                                 for chains and trees: moa_defaults.py)
     SchedulerUpdatePatch      Scheduler.update_from_output      the scheduler's K table measured, not
                                                                 written (adaptive_k.py)
+    SchedulerDraftsPatch      Scheduler.update_draft_token_ids  a request whose drafts do not pay verifies
+                                                                none (K by request, request_gate.py)
   how long vLLM's shared-memory queues busy-poll (integration/shell/queue_spin.py; every process,
   inert unless VLLM_MOA_ENGINE_SPIN_MS is set, which the client-server backend's engine does):
     SpinConditionPatch        SpinCondition.__init__            a reader's busy-poll after a read
@@ -77,7 +79,7 @@ import os
 from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 from vllm_moa import envs
-from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, queue_spin, tree_patches
+from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, queue_spin, request_gate, tree_patches
 from vllm_moa.integration.shell.patching import PatchConflict, VllmPatch
 from vllm_moa.integration.shell.runner_sample import RunnerSamplePatch
 from vllm_moa.integration.shell.speculators_checkpoints import SpeculatorsOverridePatch
@@ -349,6 +351,7 @@ PATCHES: tuple[type[VllmPatch], ...] = (
     RetrievalFieldPatch,
     AdaptiveFieldPatch,
     adaptive_k.SchedulerUpdatePatch,
+    request_gate.SchedulerDraftsPatch,
     DynamicKOnV1Patch,
     SpeculatorsOverridePatch,
     queue_spin.SpinConditionPatch,
