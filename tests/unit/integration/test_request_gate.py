@@ -93,15 +93,26 @@ def test_a_withheld_request_drafts_again_when_its_drafts_would_be_accepted():
     assert engine.verified_steps["x"] - before > 60
 
 
-def test_nothing_is_withheld_before_the_batch_size_is_priced_or_at_one_request():
-    """The gate waits for the batch size's own prices (K = 0 and some K > 0), and one request alone
-    is the table's choice (its K), never the gate's."""
+def test_nothing_is_withheld_before_the_batch_size_is_priced():
+    """The gate waits for the batch size's own prices (K = 0 and some K > 0)."""
     table = AdaptiveK(MAX_K)
     gate = RequestGate(table)
     assert gate.filter(["a", "b"], [[BAD] * 3, [GOOD] * 3]) == [[BAD] * 3, [GOOD] * 3]
-    alone = Engine(["x"], {})
-    alone.run(300)
-    assert alone.table.gate.drafts_withheld == 0
+    assert gate.withheld == frozenset()
+
+
+def test_a_request_left_alone_is_judged_by_its_own_drafts():
+    """Two requests that accept every draft finish; one that accepts none runs on alone. The table
+    judges one request by the engine's acceptance (theirs) and drafts; the gate withholds the lone
+    request's drafts by its own."""
+    engine = Engine(["a", "b"], {"a": 3, "b": 3})
+    engine.run(100)
+    engine.requests, engine.verified_steps["x"] = ["x"], 0
+    engine.run(20)
+    before = engine.verified_steps["x"]
+    engine.run(100)
+    assert engine.verified_steps["x"] - before < 15
+    assert engine.table.acceptance.rate > 0.8  # the table alone would still price drafting as paying
 
 
 def test_acceptance_of_the_engine_counts_only_requests_that_verified_drafts():

@@ -273,13 +273,14 @@ class AdaptiveK:
         return self.cost[nearest] if batch <= min(self.cold_batch, 2 * nearest) else None
 
     def drafting_ratio(self, batch: int, k: int) -> float | None:
-        """A step's time at K = k over one at K = 0 at `batch` requests, from this batch size's own
-        prices (K = 0 and some K > 0); None before both are priced."""
-        priced = self.priced.get(batch, set())
-        if 0 not in priced or not any(priced - {0}) or k == 0:
+        """A step's time at K = k over one at K = 0 at `batch` requests, from the fit the table
+        chooses by (this batch size's own prices, or those it starts from: _borrowed_fit); None
+        while there is none."""
+        if k == 0:
             return None
-        fit = self.cost[batch]
-        return fit.predict(k) / max(1e-9, fit.predict(0))
+        own = self.priced.get(batch, set())
+        fit = self.cost[batch] if 0 in own and own - {0} else self._borrowed_fit(batch)
+        return None if fit is None else fit.predict(k) / max(1e-9, fit.predict(0))
 
     def observe(self, scheduler_output: Any, sampled_token_ids: list[list[int]], busy_after: bool,
                 req_ids: list[str] | None = None) -> None:

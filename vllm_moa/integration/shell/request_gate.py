@@ -26,7 +26,9 @@ and bring E_r - 1 tokens, each worth t(K) / (B * mean E) of the step; so r draft
     E_r - 1 >= mean(E) * (1 - 1 / rho)
 
 (the mean over the requests that drafted). A request whose rate equals the engine's drafts exactly
-when the batch's drafting pays (E >= rho), as the table chose. Its share includes drafting, which
+when the batch's drafting pays (E >= rho), as the table chose; a request alone drafts when its own
+drafts pay (E_r >= rho), where the table judged by every request's drafts (one that accepts
+little, left alone when the others finished, would otherwise draft at the rate they accepted). Its share includes drafting, which
 withholding does not save, so the rule withholds a little more readily than a perfect split would.
 
 A withheld request is still measured: its first draft is compared with the token the target
@@ -78,7 +80,7 @@ class RequestGate:
         """The drafts each request verifies next step: its own, or none (module docstring)."""
         k = max((len(d) for d in drafts), default=0)
         expected = {r: self.rate(r).expected_tokens(k) for r, d in zip(req_ids, drafts) if d}
-        floor = self.floor(len(req_ids), k, list(expected.values())) if len(req_ids) > 1 and k else None
+        floor = self.floor(len(req_ids), k, list(expected.values())) if k else None
         withheld: set[str] = set()
         if floor is not None:
             for r, d in zip(req_ids, drafts):
