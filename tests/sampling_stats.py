@@ -5,12 +5,30 @@ next-token logits and the mean negative log-likelihood of generated tokens under
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def code_seed(*paths: str) -> int:
+    """A seed drawn from the bytes of the code under test (files or folders of *.py under the
+    repository root): a sampling test whose seeds start there draws afresh whenever that code
+    changes, so an unlucky draw is not the same failure (or the same near miss) run after run, and
+    a run is still reproducible from its commit."""
+    digest = hashlib.sha256()
+    for name in paths:
+        path = REPO / name
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.relative_to(REPO).as_posix().encode())
+            digest.update(file.read_bytes())
+    return int.from_bytes(digest.digest()[:4], "big") % (1 << 30)
 
 
 def chi_square_p(observed: Sequence[float], expected: Sequence[float]) -> float:

@@ -221,3 +221,42 @@ def test_cli_serve_and_client_end_to_end_on_the_demo_models(tmp_path):
                                   "--max-new-tokens", "4"], env={**env, "VLLM_MOA_TOKEN": ""},
                                  capture_output=True, text=True, timeout=300)
         assert refused.returncode == 2 and "401" in refused.stderr
+
+
+def test_the_first_round_of_a_session_drafts_no_further_than_the_servers_kv_block(world):
+    """A server whose rounds read a prefix cache (vLLM's) verifies a session's first round only up
+    to its root's KV block and says so in /v1/info (`kv_block_size`); the client's first round then
+    drafts no further, and the rounds after it as deep as asked. Here the real server answers for
+    blocks of 8 tokens; the root of a 14-token prompt sits at position 14, 1 slot before its block ends."""
+    backend = world["backend"]
+    prompt = [11, 12, 13, 14, 15, 11, 12, 3, 4, 5, 6, 7, 8, 9]
+    expected = plain_greedy_generate(world["target"], prompt, 24).token_ids
+    backend.round_block_size = 8
+    try:
+        with _client(world, world["drafters"]["moa-tli0"], num_draft=5, lookup=False) as client:
+            assert client.info().kv_block_size == 8
+            result = client.generate(prompt, 24)
+    finally:
+        backend.round_block_size = None
+    assert result.token_ids == expected
+    assert result.drafted_per_verify[0] == 8 - 1 - len(prompt) % 8 == 1
+    assert max(result.drafted_per_verify[1:]) == 5
+    with _client(world, world["drafters"]["moa-tli0"], num_draft=5, lookup=False) as client:
+        assert client.info().kv_block_size is None
+        assert client.generate(prompt, 24).drafted_per_verify[0] == 5
+
+
+def test_a_client_asked_for_trees_drafts_the_tree_or_a_chain_by_measured_speed(world):
+    """tree_top_k with chain_if_faster (the default): both shapes are tried, each round's tokens per
+    second decide after that, and the output is the target's greedy output; chain_if_faster=False
+    drafts the tree every round."""
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8]
+    expected = plain_greedy_generate(world["target"], prompt, 48).token_ids
+    with _client(world, world["drafters"]["moa-tli0"], tree_top_k=3, lookup=False) as client:
+        result = client.generate(prompt, 48)
+    assert result.token_ids == expected
+    assert result.shape_rounds.get("tree", 0) >= 2 and result.shape_rounds.get("chain", 0) >= 2, result.shape_rounds
+    assert sum(result.shape_rounds.values()) == len(result.accepted_per_verify)
+    with _client(world, world["drafters"]["moa-tli0"], tree_top_k=3, lookup=False, chain_if_faster=False) as client:
+        result = client.generate(prompt, 48)
+    assert result.token_ids == expected and set(result.shape_rounds) == {"tree"}

@@ -100,6 +100,9 @@ class TargetBackend(ABC):
     """What the server needs from wherever the target runs."""
 
     name: str
+    # a session's first round verifies only the drafted nodes whose positions end in its root's KV
+    # block of this many tokens (a backend whose rounds read a prefix cache: vLLM's); None: no bound
+    round_block_size: int | None = None
 
     @property
     @abstractmethod

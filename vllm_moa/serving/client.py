@@ -9,7 +9,11 @@ keeps generating when the connection is gone.
 One round: the local drafter proposes a chain (or an EAGLE-2 tree) from the verified state, the
 server verifies it (one HTTP call) and returns the accepted tokens, its own next token and the
 drafter-sync payload, which rolls the local drafter forward (serving/local.py). The draft depth
-follows the measured round-trip time and acceptance (serving/adaptive.py).
+follows the measured round-trip time and acceptance (serving/adaptive.py). A client asked for
+trees drafts each round the tree or a chain, whichever has measured more tokens per second
+(`chain_if_faster`, as the vLLM engine's moa_tree option: decoding/speed_control.FasterShape, each
+shape with its own depth controller). A session's first round drafts no further than the server
+verifies it (/v1/info `kv_block_size`: the root's KV block on the vLLM backend).
 
 Lost connection (timeout, refused, reset, truncated response, 5xx): the client goes offline and
 keeps drafting alone, emitting `unverified` tokens, retrying with exponential backoff (jittered,
@@ -37,6 +41,7 @@ import torch
 from vllm_moa import registry as kinds
 from vllm_moa.decoding.retrieval import Retrieval, lookup_alone, lookup_found, lookup_merged, lookup_options
 from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.speed_control import FasterShape
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
@@ -53,6 +58,8 @@ from vllm_moa.serving.stream import (
 from vllm_moa.serving.transport import StaleSession, TransientFailure, Transport, payload_errors
 from vllm_moa.target import TargetModel
 
+TREE, CHAIN = "tree", "chain"
+
 __all__ = ["ClientResult", "ProtocolError", "RemoteDraftingClient", "RequestRefused", "ServerUnavailable",
            "StreamEvent", "Transcript"]
 
@@ -67,7 +74,10 @@ class _Run:
     seed: int | None
     result: ClientResult
     local: LocalSession | None = None
-    controller: DraftController | None = None
+    controller: DraftController | None = None  # the depth controller of this round's shape
+    controllers: dict[str, DraftController] = field(default_factory=dict)  # shape -> its controller
+    shapes: FasterShape | None = None  # trees with chain_if_faster: the tree or the chain, by speed
+    shape: str = "chain"  # this round's shape (CHAIN or TREE)
     out: list[int] = field(default_factory=list)
     nv: int = 0  # out[:nv] verified; out[nv-1] is the pending token (the target's, not yet run)
     seq: int = 0  # tokens the target has run = len(prompt) + nv - 1
@@ -78,6 +88,7 @@ class _Run:
     next_try: float = 0.0
     stale: int = 0  # consecutive 404/409 answers
     done: bool = False
+    first_round: bool = False  # the session was (re)opened and has not verified a round yet
 
 
 class RemoteDraftingClient:
@@ -90,6 +101,9 @@ class RemoteDraftingClient:
               layers); needed by MoA and EAGLE. Its other layers never run here.
     num_draft: fixed draft depth, or None to adapt it to round-trip time and acceptance
     tree_top_k: draft EAGLE-2 trees this wide (depth adaptive) instead of chains
+    chain_if_faster: with tree_top_k, each round drafts the tree or a chain, whichever has measured
+              more tokens per second (both tried first, the other re-tried now and then); False:
+              the tree every round
     lookup:   n-gram matches in the prompt and the verified text merged into a model drafter's
               drafts, or drafted alone when long enough (decoding/retrieval.py), as in the
               runtime: on by default for model drafters; False, or a dict / Retrieval of options
@@ -100,7 +114,8 @@ class RemoteDraftingClient:
                  tree_top_k: int | None = None, max_depth: int = 16, timeout: float = 10.0,
                  connect_timeout: float = 3.0, backoff_s: float = 0.05, backoff_max_s: float = 2.0,
                  max_unverified: int = 256, offline_chunk: int = 4, give_up_after_s: float = 60.0,
-                 seed: int = 0, tokenizer=None, lookup: bool | dict | Retrieval = True) -> None:
+                 seed: int = 0, tokenizer=None, lookup: bool | dict | Retrieval = True,
+                 chain_if_faster: bool = True) -> None:
         if encoding not in ("fp16", "int8"):
             raise ValueError(f"encoding must be fp16 or int8, got {encoding!r}")
         if num_draft is not None and num_draft < 1:
@@ -115,6 +130,7 @@ class RemoteDraftingClient:
             open_local(drafter, target)  # refuses a drafter that cannot run here, before any call
         self.drafter, self.target, self.tokenizer = drafter, target, tokenizer
         self.encoding, self.num_draft, self.tree_top_k, self.max_depth = encoding, num_draft, tree_top_k, max_depth
+        self.chain_if_faster = chain_if_faster
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.max_unverified, self.offline_chunk, self.give_up_after_s = max_unverified, offline_chunk, give_up_after_s
         self.transport = Transport(url, token, timeout, connect_timeout)
@@ -192,8 +208,14 @@ class RemoteDraftingClient:
         run.local = open_local(self.drafter, self.target)
         top_k = self.tree_top_k
         max_depth = min(self.max_depth, max_nodes)
-        nodes = (lambda k: min(max_nodes, k * top_k)) if top_k else (lambda k: k)
-        run.controller = DraftController(max_depth, fixed=self.num_draft, nodes=nodes)
+        run.controllers = {CHAIN: DraftController(max_depth, fixed=self.num_draft)}
+        if top_k:
+            run.controllers[TREE] = DraftController(max_depth, fixed=self.num_draft,
+                                                    nodes=lambda k: min(max_nodes, k * top_k))
+            run.shape = TREE
+            if self.chain_if_faster:
+                run.shapes = FasterShape([TREE, CHAIN])
+        run.controller = run.controllers[run.shape]
         try:
             first = self._retrying(lambda: self._open(run))
             yield from self._diff(run, [], 0, [first], 1)
@@ -221,7 +243,7 @@ class RemoteDraftingClient:
         first = self._token(response.first_token, "first token")
         with payload_errors():
             run.local.start(run.prompt, sync)
-        run.session_id, run.seq = response.session_id, response.length
+        run.session_id, run.seq, run.first_round = response.session_id, response.length, True
         if run.seq != len(run.prompt):
             raise ProtocolError(f"server ran {run.seq} prompt tokens, the prompt has {len(run.prompt)}")
         return first
@@ -236,7 +258,7 @@ class RemoteDraftingClient:
         response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
         if response.length != run.seq or response.first_token != run.out[run.nv - 1] or response.sync.count:
             raise ProtocolError("reopened session does not match the client's verified prefix")
-        run.session_id = response.session_id
+        run.session_id, run.first_round = response.session_id, True
         run.result.reopens += 1
 
     def _close_session(self, run: _Run) -> None:
@@ -278,11 +300,17 @@ class RemoteDraftingClient:
     def _online_step(self, run: _Run, max_nodes: int, context: int | None) -> Iterator[StreamEvent]:
         pending, tail = run.out[run.nv - 1], run.out[run.nv:]
         room = max_nodes if context is None else max(0, min(max_nodes, context - 1 - run.seq))
+        block = self.info().kv_block_size
+        if run.first_round and block:  # the server verifies no node past the root's KV block there
+            room = min(room, block - 1 - run.seq % block)
         draft_s = None
         if tail:  # resync: the unverified tail, at most `room` of it
             run.local.begin()
             tree = DraftTree.chain(pending, tail[:room], fed=0) if room else DraftTree.single(pending)
         else:
+            if run.shapes is not None:
+                run.shape = run.shapes.choose(1)
+                run.controller = run.controllers[run.shape]
             depth = min(run.controller.choose(limit=run.max_tokens - run.nv), room)
             t0 = time.perf_counter()
             if depth == 0:
@@ -290,7 +318,7 @@ class RemoteDraftingClient:
                 tree = DraftTree.single(pending)
             else:
                 spec = DraftSpec.tree(depth, self.tree_top_k, budget=min(room, depth * self.tree_top_k)) \
-                    if self.tree_top_k else DraftSpec.chain(depth)
+                    if run.shape == TREE else DraftSpec.chain(depth)
                 tree = self._draft(run, pending, spec, room)
             draft_s = time.perf_counter() - t0
             run.result.draft_seconds += draft_s
@@ -314,7 +342,7 @@ class RemoteDraftingClient:
                 self._went_offline(run)
             return
         wall = time.perf_counter() - t0
-        run.offline, run.failures, run.stale = False, 0, 0
+        run.offline, run.failures, run.stale, run.first_round = False, 0, 0, False
         yield from self._accept(run, tree, response, fresh=not tail, wall=wall, draft_s=draft_s)
 
     def _draft(self, run: _Run, pending: int, spec: DraftSpec, room: int) -> DraftTree:
@@ -352,7 +380,10 @@ class RemoteDraftingClient:
         if fresh:
             result.accepted_per_verify.append(len(path))
             result.drafted_per_verify.append(depth)
+            result.shape_rounds[run.shape] = result.shape_rounds.get(run.shape, 0) + 1
             run.controller.observe_acceptance(depth, len(path) - 1)
+            if run.shapes is not None:  # the round's tokens over its time, drafting included
+                run.shapes.observe(1, run.shape, len(path), wall + (draft_s or 0.0))
         run.controller.observe_timing(depth, wall, response.server_ms / 1e3, draft_s)
         old_out, old_nv = list(run.out), run.nv
         accepted = response.accepted

@@ -255,6 +255,10 @@ class InfoResponse(BaseModel):
     context_window: int | None  # the longest sequence served: the target's window capped by max_session_tokens
     drafters: list[DrafterInfo]
     limits: ServerLimits
+    # a session's first round (after an open or reopen) verifies only the drafted nodes whose
+    # positions end in the KV block of its root, blocks of this many tokens; the client drafts no
+    # further there. None: no bound (the transformers backend)
+    kv_block_size: int | None = None
 
 
 class ErrorResponse(BaseModel):

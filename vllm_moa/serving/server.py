@@ -141,7 +141,8 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     @app.get("/v1/info", response_model=InfoResponse, responses=_ERRORS)
     async def info(client: str = Depends(client_key)) -> InfoResponse:
         return InfoResponse(protocol=PROTOCOL, backend=backend.name, target=backend.signature.to_dict(),
-                            context_window=window, drafters=backend.drafters(), limits=limits)
+                            context_window=window, drafters=backend.drafters(), limits=limits,
+                            kv_block_size=backend.round_block_size)
 
     # Handlers are async: validation, auth and admission run on the event loop and answer at once,
     # even when every worker thread waits for the target; only target work goes to a worker.

@@ -83,6 +83,7 @@ class ClientResult:
     rollbacks: int = 0
     rolled_back_tokens: int = 0
     lookup_rounds: dict[str, int] = field(default_factory=lambda: {"model": 0, "merged": 0, "retrieval": 0})
+    shape_rounds: dict[str, int] = field(default_factory=dict)  # fresh rounds by draft shape ("tree", "chain")
 
     @property
     def verified_mask(self) -> list[bool]:

@@ -293,3 +293,47 @@ def test_server_sampling_is_lossless_for_point_mass_and_offline_drafts():
         expected.append(sum(exact[c] for c in small))
     expected = [e * samples / sum(expected) for e in expected]  # sums to `samples` exactly, not to 1e-8
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, [round(e) for e in expected])
+
+
+def test_a_sampling_tests_seed_is_drawn_afresh_when_the_code_under_test_changes(tmp_path, monkeypatch):
+    """tests/sampling_stats.code_seed: the same bytes give the same seed; a changed byte, or a file
+    added, another."""
+    from tests import sampling_stats
+
+    code = tmp_path / "pkg"
+    code.mkdir()
+    (code / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(sampling_stats, "REPO", tmp_path)
+    first = sampling_stats.code_seed("pkg")
+    assert sampling_stats.code_seed("pkg") == first
+    (code / "a.py").write_text("x = 2\n")
+    second = sampling_stats.code_seed("pkg")
+    (code / "b.py").write_text("")
+    assert len({first, second, sampling_stats.code_seed("pkg")}) == 3
+
+
+def test_the_users_benchmark_accepts_a_float32_near_tie_and_nothing_else():
+    """benchmarks/client_server_users.near_tie_gap: an output that parts from the greedy one where
+    the target's logits hold the chosen token within 1e-4 of the top is a near-tie (its position
+    and gap); anywhere else, or by more, it is a difference."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.client_server_users import near_tie_gap
+
+    def target(gap_at_3: float):
+        def hf_model(ids):
+            logits = torch.zeros(1, ids.shape[1], 10)
+            logits[0, -1, 1] = 5.0
+            if ids.shape[1] == 3:  # the prefix of position 1: token 2 within gap_at_3 of token 1
+                logits[0, -1, 2] = 5.0 - gap_at_3
+            return SimpleNamespace(logits=logits)
+        return SimpleNamespace(hf_model=hf_model)
+
+    prompt, want = [7, 7], [1, 1, 1, 1]
+    assert near_tie_gap(target(5e-5), prompt, want, want) is None
+    position, gap = near_tie_gap(target(5e-5), prompt, [1, 2, 3, 3], want)
+    assert position == 1 and gap == pytest.approx(5e-5, rel=1e-2)
+    assert near_tie_gap(target(0.5), prompt, [1, 2, 3, 3], want) is None
+    assert near_tie_gap(target(5e-5), prompt, [1, 1, 2, 3], want) is None  # the tie is not where they part

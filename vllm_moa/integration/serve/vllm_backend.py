@@ -108,6 +108,7 @@ class VLLMBackend(SessionBackend):
         # a round's prompt plus the one token vLLM generates must fit in max_model_len
         self._context = config.model_config.max_model_len - 1
         self._block_size = config.cache_config.block_size
+        self.round_block_size = self._block_size  # announced in /v1/info: the client drafts to it
         self.live: LiveSessions | None = None
         if live_sessions != 0:  # each holds a seat and its KV blocks: at most half of the KV cache
             seats = config.scheduler_config.max_num_seqs

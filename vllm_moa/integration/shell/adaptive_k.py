@@ -171,7 +171,10 @@ class AdaptiveK:
         return window.k
 
     def tokens_per_second(self, batch: int, k: int, fit: StepCost | ScaledStepCost) -> float:
-        return batch * self.expected_tokens(k) / max(1e-9, fit.predict(k))
+        """A step's tokens over its time at K = k: per request from the gate's rates where it knows
+        the running batch (K by request, request_gate.RequestGate.step_rate), else from one rate."""
+        by_request = None if self.gate is None else self.gate.step_rate(batch, k, fit)
+        return by_request if by_request is not None else batch * self.expected_tokens(k) / max(1e-9, fit.predict(k))
 
     def expected_tokens(self, k: int) -> float:
         """A request's tokens per step at K: a whole tree's as measured, a chain's from the

@@ -33,7 +33,11 @@ withholding does not save, so the rule withholds a little more readily than a pe
 
 A withheld request is still measured: its first draft is compared with the token the target
 samples for it next (greedy: exactly whether that draft would have been accepted), so it drafts
-again when its drafts would pay again, without a probe. Trees are not gated (a tree engine's
+again when its drafts would pay again, without a probe. The table's own choice of K reads the same
+rates (`step_rate`): a step's tokens are counted per request of the running batch, the withheld
+ones at 1, its time at their mean drafts per request; so a batch of requests whose drafts do not
+pay (one left alone, say) chooses K = 0 and stops drafting at all, which withholding alone does
+not (the drafter drafts for the whole batch). Trees are not gated (a tree engine's
 steps are verified along the tree as planned for every request; they still climb down the
 ladder of K by measured speed). VLLM_MOA_DRAFTS_BY_REQUEST=0 turns the gate off (to measure it).
 """
@@ -59,6 +63,7 @@ class RequestGate:
         self.rates: dict[str, GeometricAcceptance] = {}
         self.shadow: dict[str, int] = {}  # request -> the first draft withheld from its next step
         self.withheld: frozenset[str] = frozenset()  # the requests withheld from the next step
+        self.current: list[str] = []  # the requests of the last step
         self.drafts_withheld = 0  # request-steps whose drafts were withheld
         self.drafts_kept = 0  # request-steps whose drafts were kept where the gate was deciding
 
@@ -75,6 +80,19 @@ class RequestGate:
         if ratio is None or not expected:
             return None
         return 1.0 + sum(expected) / len(expected) * (1.0 - 1.0 / ratio)
+
+    def step_rate(self, batch: int, k: int, fit: Any) -> float | None:
+        """Tokens per second of a step at K = k over the requests of the last step, each drafting
+        only where the rule lets it: their tokens (E_r for those that draft, 1 for the others) over
+        the step's time at their mean drafts per request (the table's fit, whose drafting line is
+        priced that way). None when the last step's requests are not `batch` of them, or k = 0."""
+        if k == 0 or len(self.current) != batch:
+            return None
+        expected = [self.rate(r).expected_tokens(k) for r in self.current]
+        ratio = fit.predict(k) / max(1e-9, fit.predict(0))
+        floor = 1.0 + sum(expected) / len(expected) * (1.0 - 1.0 / ratio)
+        kept = [e for e in expected if e >= floor]
+        return (sum(kept) + batch - len(kept)) / max(1e-9, fit.predict(k * max(1, len(kept)) / batch))
 
     def filter(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """The drafts each request verifies next step: its own, or none (module docstring)."""
@@ -96,6 +114,7 @@ class RequestGate:
         """A step's output: each request's accepted drafts, or whether the draft withheld from it was
         the token the target sampled; requests that finished are forgotten."""
         scheduled = scheduler_output.scheduled_spec_decode_tokens
+        self.current = list(req_ids)
         for request, tokens in zip(req_ids, sampled_token_ids):
             shadow = self.shadow.pop(request, None)
             if not tokens:
