@@ -7,8 +7,10 @@ request (integration/shell/request_gate.py) on and off, against no speculation.
 
 Request i of the held-out chat prompts is greedy for even i and sampled at T = 1.5 (seed i) for
 odd i, so every group of c requests at once holds both kinds. Configurations: "none";
-`{"method": "moa"}` as a user writes it (K by request on, the default); the same with
-VLLM_MOA_DRAFTS_BY_REQUEST=0 (every request of a drafting step verifies the step's K drafts). A
+`{"method": "moa"}` as a user writes it with VLLM_MOA_DRAFTS_BY_REQUEST=1 (K by request); the same
+with it 0, the default (every request of a drafting step verifies the step's K drafts). Files
+written while K by request was on by default (commits 81c6440 to fce691d) name these "moa
+(defaults: K by request)" and "moa, every request's drafts verified". A
 round runs "none", the two configurations in an order rotated from round to round, then "none"
 again; each is a fresh engine (engines with the same environment share one child process:
 engine_host.py), enforce_eager, fp32, ignore_eos. Inside an engine: a warm-up pass, then one pass
@@ -49,8 +51,8 @@ NONE = "none"
 GATE_ENV = "VLLM_MOA_DRAFTS_BY_REQUEST"
 # name -> (speculative config, extra environment of its engines)
 CONFIGS: dict[str, tuple[dict | None, dict[str, str]]] = {
-    "moa (defaults: K by request)": ({"method": "moa"}, {}),
-    "moa, every request's drafts verified": ({"method": "moa"}, {GATE_ENV: "0"}),
+    "moa, K by request": ({"method": "moa"}, {GATE_ENV: "1"}),
+    "moa (defaults: every request's drafts verified)": ({"method": "moa"}, {GATE_ENV: "0"}),
 }
 SAMPLED_TEMPERATURE = 1.5
 HOST_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}  # as the sweep's engines

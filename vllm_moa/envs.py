@@ -17,9 +17,11 @@ or a child process that sets one sees it. This module imports nothing of the pac
                                    through vLLM's rejection sampler over zero draft rows, as
                                    vLLM 0.32 does (to measure it); default 1: through vLLM's
                                    sampler, as without speculation (integration/shell/runner_sample.py)
-    VLLM_MOA_DRAFTS_BY_REQUEST     0: every request of a "moa" chain engine's drafting step
-                                   verifies the step's K drafts; default 1: a request whose own
-                                   drafts do not pay verifies none (integration/shell/request_gate.py)
+    VLLM_MOA_DRAFTS_BY_REQUEST     1: in a "moa" chain engine with K by measured speed, a request
+                                   whose own drafts do not pay verifies none of a step's drafts
+                                   (K by request, integration/shell/request_gate.py); default 0:
+                                   every request verifies them (K by request measured slower on
+                                   mixed greedy / T = 1.5 loads: docs/vllm-plugin.md)
     VLLM_MOA_TOKEN                 the server's bearer tokens, comma-separated (also the client's
                                    token unless `--token-env` names another variable)
     VLLM_MOA_DRAFTER_WEIGHTS       fp32 | bf16 | int8 | auto: the weights of a "moa" drafter's
@@ -92,7 +94,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MOA_FIX_CPU_SAMPLER": lambda: _flag("VLLM_MOA_FIX_CPU_SAMPLER", None),
     "VLLM_MOA_CATCH_UP": lambda: _flag("VLLM_MOA_CATCH_UP", True),
     "VLLM_MOA_PLAIN_SAMPLER": lambda: _flag("VLLM_MOA_PLAIN_SAMPLER", True),
-    "VLLM_MOA_DRAFTS_BY_REQUEST": lambda: _flag("VLLM_MOA_DRAFTS_BY_REQUEST", True),
+    "VLLM_MOA_DRAFTS_BY_REQUEST": lambda: _flag("VLLM_MOA_DRAFTS_BY_REQUEST", False),
     "VLLM_MOA_TOKEN": lambda: [t.strip() for t in os.environ.get("VLLM_MOA_TOKEN", "").split(",") if t.strip()],
     "VLLM_MOA_DRAFTER_WEIGHTS": lambda: (os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "fp32").strip().lower(),
     "VLLM_MOA_TP_DRAFTER_MLP": lambda: (os.environ.get("VLLM_MOA_TP_DRAFTER_MLP") or "sharded").strip().lower(),

