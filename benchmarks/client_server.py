@@ -156,6 +156,7 @@ def run_latency(sim, target, drafters, prompts, expected, tokens, clients=tuple(
             "bytes_up": after.bytes_up - before.bytes_up, "bytes_down": after.bytes_down - before.bytes_down,
             "bytes_per_token": wire / n, "acceptance_length": result.acceptance_length if kind else None,
             "mean_depth": statistics.mean(result.drafted_per_verify) if result.drafted_per_verify else None,
+            "shape_rounds": result.shape_rounds,  # fresh rounds by shape: a tree client picks tree or chain
             "server_ms_per_token": 1e3 * result.server_seconds / n,
             "client_draft_ms_per_token": 1e3 * result.draft_seconds / n,
         })
