@@ -81,9 +81,7 @@ class RequestGate:
         """The least tokens per step (E_r) a request's drafts must bring at `batch` and K = k; None
         while the batch size's step times are not priced at K = 0 and some K > 0."""
         ratio = self.table.drafting_ratio(batch, k)
-        if ratio is None or not expected:
-            return None
-        return 1.0 + sum(expected) / len(expected) * (1.0 - 1.0 / ratio)
+        return None if ratio is None or not expected else floor_of(expected, ratio)
 
     def step_rate(self, batch: int, k: int, fit: Any) -> float | None:
         """Tokens per second of a step at K = k over the requests of the last step, each drafting
@@ -93,8 +91,7 @@ class RequestGate:
         if k == 0 or len(self.current) != batch:
             return None
         expected = [self.rate(r).expected_tokens(k) for r in self.current]
-        ratio = fit.predict(k) / max(1e-9, fit.predict(0))
-        floor = 1.0 + sum(expected) / len(expected) * (1.0 - 1.0 / ratio)
+        floor = floor_of(expected, fit.predict(k) / max(1e-9, fit.predict(0)))
         kept = [e for e in expected if e >= floor]
         return (sum(kept) + batch - len(kept)) / max(1e-9, fit.predict(k * max(1, len(kept)) / batch))
 
@@ -131,6 +128,11 @@ class RequestGate:
         for request in scheduler_output.finished_req_ids:
             self.rates.pop(request, None)
             self.shadow.pop(request, None)
+
+
+def floor_of(expected: list[float], ratio: float) -> float:
+    """The rule's least E_r: 1 + mean(E) * (1 - 1 / rho) (the module docstring)."""
+    return 1.0 + sum(expected) / len(expected) * (1.0 - 1.0 / ratio)
 
 
 def gated_engine(table: Any, vllm_config: Any) -> bool:
