@@ -117,7 +117,10 @@ def test_trees_turn_themselves_down_and_keep_greedy_output():
     counters, always = adaptive.passes[0].spec_decode, fixed.passes[0].spec_decode
     assert counters.drafts > 0 and counters.accepted > 0
     assert counters.draft_tokens < budget * counters.drafts, counters  # chains of at most 4 among the trees
-    assert counters.drafts + counters.accepted < always.drafts + always.accepted - len(prompts()), (counters, always)
+    # (request, step) pairs without drafts: at least one K = 0 step over the 4 requests (their
+    # number beyond that follows which rung measured fastest, which the machine decides)
+    undrafted = always.drafts + always.accepted - (counters.drafts + counters.accepted)
+    assert undrafted >= 4, (undrafted, counters, always)
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_output_with_trees():
