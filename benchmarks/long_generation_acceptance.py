@@ -1,7 +1,8 @@
 """Acceptance by output position over long generations (1-2k tokens): MoA against EAGLE-style.
 
     python -m benchmarks.long_generation_acceptance --specbench ../shared/data/specbench \
-        [--categories writing humanities] [--num-prompts 8] [--max-new-tokens 1536] [--bin 128]
+        [--categories writing humanities] [--num-prompts 8] [--max-new-tokens 1536] [--bin 128] \
+        [--windows 256] [--no-lookup]
 
 Drafters' acceptance is reported to decay over a few thousand output tokens (DFlash, EAGLE-3,
 PARD); MoA reads the target's own KV cache at every layer, so it may hold up better. Both shipped
@@ -92,6 +93,11 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=3, help="chain depth K")
     parser.add_argument("--tree", type=int, nargs=3, default=[5, 4, 16], metavar=("DEPTH", "TOP_K", "BUDGET"))
     parser.add_argument("--drafters", nargs="+", default=["moa-tli0", "eagle"], help="shipped names or directories")
+    parser.add_argument("--windows", type=int, nargs="*", default=[],
+                        help="each MoA drafter also runs with these attention windows (its attention_window set "
+                             "after loading: a mask, no weight changes)")
+    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run each model drafter's tree with n-gram lookup merged in")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "long_generation_acceptance_smollm2.json")
     args = parser.parse_args()
@@ -104,6 +110,11 @@ def main() -> None:
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     drafters = {Path(n).name: load_drafter(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2 / n, target).eval()
                 for n in args.drafters}
+    for name in [n for n, d in drafters.items() if hasattr(d, "attention_window")]:
+        for window in args.windows:
+            windowed = load_drafter(Path(name) if Path(name).is_dir() else SHIPPED_SMOLLM2 / name, target).eval()
+            windowed.attention_window = window
+            drafters[f"{name} W={window}"] = windowed
     drafters["ngram"] = "ngram"
     tree = DraftSpec.tree(*args.tree)
     shapes = {f"chain K={args.chain}": DraftSpec.chain(args.chain), f"tree d={tree.depth} k={tree.top_k} b={tree.budget}": tree}
@@ -117,7 +128,7 @@ def main() -> None:
     runs = [(name, drafter, shape, spec, None) for name, drafter in drafters.items() for shape, spec in shapes.items()
             if not (name == "ngram" and spec is tree)]
     runs += [(f"{name} + lookup", drafter, shape, tree, Retrieval()) for name, drafter in drafters.items()
-             if name != "ngram" for shape, spec in shapes.items() if spec is tree]
+             if name != "ngram" and args.lookup for shape, spec in shapes.items() if spec is tree]
     for drafter_name, drafter, shape_name, spec, retrieval in tqdm(runs):
         results = SpeculativeEngine(target, drafter, spec, retrieval=retrieval).generate(prompts, args.max_new_tokens)
         if [r.token_ids for r in results] != reference:
@@ -139,6 +150,9 @@ def main() -> None:
         "first_end_of_turn": ends,
         "drafters_trained_on_at_most_tokens": TRAINED_MAX_LENGTH,
         "drafters": {n: str(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2.relative_to(ROOT) / n) for n in args.drafters},
+        "attention_windows": {"windows": args.windows,
+                              "meaning": "'<drafter> W=<w>': the same drafter with attention_window = w set after "
+                                         "loading (SA and CA read the last w positions; trained without a window)"},
         "rows": rows, "wall_time_s": round(time.time() - started, 1),
         "provenance": origin,
     }

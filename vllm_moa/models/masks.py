@@ -6,6 +6,10 @@ target activations only up to the anchor: the masks below give training exactly 
 one teacher-forced forward trains every draft depth at once.
 
 All masks are boolean, True = may attend, shaped [B, 1, T_q, T_k].
+
+An attention window (MoA's `attention_window`) narrows any of them: a query at position p reads
+only keys at positions p - W + 1 .. p (key column j stands for position j: true of every key that
+can be that old, since only a round's drafted nodes sit at other columns, and they are recent).
 """
 
 from __future__ import annotations
@@ -67,3 +71,14 @@ def target_layers_mask(s: Tensor) -> Tensor:
     true_part = i[None, None, :] <= s[:, :, None]
     pred_part = (i[None, None, :] > s[:, :, None]) & (i[None, None, :] <= i[None, :, None])
     return torch.cat([true_part, pred_part], dim=-1)[:, None]
+
+
+def within_window(mask: Tensor | None, query_positions: Tensor, num_keys: int, window: int) -> Tensor | None:
+    """`mask` (None: every key) narrowed to the last `window` positions before and at each query:
+    key column j is read by a query at position p only if p - window < j. query_positions [B, T];
+    mask broadcastable to [B, 1, T, num_keys] -> [B, 1, T, num_keys] (window 0: `mask` as it is)."""
+    if window <= 0:
+        return mask
+    j = torch.arange(num_keys, device=query_positions.device)
+    recent = (j[None, None, :] > query_positions[:, :, None] - window)[:, None]  # [B, 1, T, S]
+    return recent if mask is None else mask & recent

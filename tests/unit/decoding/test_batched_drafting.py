@@ -51,14 +51,15 @@ def _state(session):
     return (session.model if isinstance(session, HybridSession) else session).state
 
 
-@pytest.mark.parametrize("drafting", list(RETRIEVAL))
+@pytest.mark.parametrize(("drafting", "window"), [(name, 0) for name in RETRIEVAL] + [("moa", 32)])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_sequences_drafted_together_match_drafted_alone(target, shape, drafting):
+def test_sequences_drafted_together_match_drafted_alone(target, shape, drafting, window):
+    """`window`: MoA's attention_window (32: the longest prompt outgrows it, the shortest not)."""
     torch.manual_seed(0)
-    drafter = MoADrafter(MoAConfig(target=target.signature, tli=0)).eval()
+    drafter = MoADrafter(MoAConfig(target=target.signature, tli=0, attention_window=window)).eval()
     rng = random.Random(1)
     # different lengths; the repeated ones give lookup matches (rounds lookup drafts alone or merges)
-    prompts = [[rng.randrange(97) for _ in range(n)] for n in (3, 11, 6)] + [[5, 6, 7, 8] * 4]
+    prompts = [[rng.randrange(97) for _ in range(n)] for n in (3, 11, 6, 40)] + [[5, 6, 7, 8] * 4]
     together, alone = (_sessions(drafter, target, prompts, RETRIEVAL[drafting]) for _ in range(2))
     assert drafters.drafts_together(together)  # in one batch, not one by one
     sequences = [list(p) for p in prompts]

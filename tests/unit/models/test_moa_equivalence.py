@@ -1,12 +1,14 @@
 """The property the method rests on: training-mode logits at anchor+k equal the logits of
 incremental drafting k steps past that anchor (fp32, max abs diff <= 1e-4), with LSA over every
 target layer or over a subset (lsa_layer_stride), with or without the final hidden state in the
-rows (final_hidden_rows)."""
+rows (final_hidden_rows), with or without an attention window (attention_window); and what the
+window means: a draft reads nothing older than its last W positions."""
 
 import pytest
 import torch
 from tiny_models import make_target
 
+from vllm_moa.config import DrafterConfigError
 from vllm_moa.kinds.moa import MoAConfig, MoADrafter
 from vllm_moa.models import TrainingBatchView
 from vllm_moa.models.masks import anchor_flags, last_anchor
@@ -14,10 +16,10 @@ from vllm_moa.models.masks import anchor_flags, last_anchor
 TOL = 1e-4
 
 
-def make_drafter(target, tli, stride=1, hidden=False):
+def make_drafter(target, tli, stride=1, hidden=False, window=0):
     torch.manual_seed(123)
     drafter = MoADrafter(MoAConfig(target=target.signature, tli=tli, lsa_layer_stride=stride,
-                                   final_hidden_rows=hidden, lsa_num_heads=4,
+                                   final_hidden_rows=hidden, attention_window=window, lsa_num_heads=4,
                                    lsa_intermediate_size=96,
                                    sa_num_heads=4, sa_num_kv_heads=2, sa_head_dim=16, sa_intermediate_size=96,
                                    ca_num_heads=4, ca_num_kv_heads=1, ca_head_dim=16, ca_intermediate_size=96))
@@ -33,12 +35,12 @@ def make_drafter(target, tli, stride=1, hidden=False):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tli", [0, 1, 2])
-@pytest.mark.parametrize(("stride", "hidden"), [(1, False), (2, False), (2, True)])
-def test_training_mode_equals_incremental_drafting(family, tli, stride, hidden):
+@pytest.mark.parametrize(("stride", "hidden", "window"), [(1, False, 0), (2, False, 0), (2, True, 0), (1, False, 32)])
+def test_training_mode_equals_incremental_drafting(family, tli, stride, hidden, window):
     target = make_target(family)
-    drafter = make_drafter(target, tli, stride, hidden)
+    drafter = make_drafter(target, tli, stride, hidden, window)
     gen = torch.Generator().manual_seed(7)
-    seq_len, prompt_len, every = 40, 9, 7
+    seq_len, prompt_len, every = (40, 9, 7) if not window else (72, 9, 7)  # with a window: past it
     ids = torch.randint(0, 97, (1, seq_len), generator=gen)
     flags = anchor_flags(seq_len, prompt_len, every)[None]
     s = last_anchor(flags)
@@ -90,3 +92,40 @@ def test_rollback_then_redraft_equals_fresh_state():
         drafter.feed(fresh, ids[:, :12], target)
         want = drafter.draft_step(fresh, ids[:, 12:13], target)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_a_window_reads_nothing_older_than_its_last_positions(tli):
+    """attention_window = W: a draft at position q reads SA and CA entries at positions q - W + 1 ..
+    q only: overwriting every older entry of the drafter's caches (CA
+    rows and their keys/values, SA keys/values) leaves its logits as they were; without the
+    window the same overwrite changes them (the check can fail)."""
+    target = make_target("llama")
+    ids = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(3))
+    window, verified = 32, 50
+
+    def draft(drafter, scramble):
+        state = drafter.new_state()
+        with torch.no_grad():
+            out = target(ids[:, :verified])
+            drafter.extend_verified(state, out.keys, out.values)
+            drafter.feed(state, ids[:, :verified], target)
+            if scramble:  # every entry the drafts at positions 50..52 may not read (positions <= 50 - W)
+                old = verified - window + 1
+                noise = torch.Generator().manual_seed(5)
+                for tensor in (state.rows, state.row_k, state.row_v, state.sa.k, state.sa.v):
+                    part = tensor[:, :old] if tensor is state.rows else tensor[:, :, :old]
+                    part.copy_(torch.randn(part.shape, generator=noise) * 3)
+            return torch.cat([drafter.draft_step(state, ids[:, verified + i : verified + i + 1], target)
+                              for i in range(3)], dim=1)
+
+    windowed = make_drafter(target, tli, window=window)
+    torch.testing.assert_close(draft(windowed, True), draft(windowed, False), atol=1e-5, rtol=1e-5)
+    whole = make_drafter(target, tli)
+    assert (draft(whole, True) - draft(whole, False)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window", [1, 31, -4])
+def test_a_window_too_narrow_for_a_draft_is_refused(window):
+    with pytest.raises(DrafterConfigError, match=f"'attention_window' must be 0 .* got {window}"):
+        MoADrafter(MoAConfig(target=make_target("llama").signature, attention_window=window))

@@ -6,6 +6,9 @@ from typing import ClassVar
 
 from vllm_moa.config import DrafterConfigBase, DrafterConfigError, Option, check_divisible, check_positive
 
+# a window narrower than a draft is deep would leave a drafted position no verified row to read
+MIN_ATTENTION_WINDOW = 32
+
 
 class MoAConfig(DrafterConfigBase):
     """The MoA drafter: LSA over the target's layer axis -> Ekv2E rows -> SA -> CA -> TLI.
@@ -35,6 +38,9 @@ class MoAConfig(DrafterConfigBase):
         "ca_head_dim": Option(int, 16, "cross-attention head size (even)"),
         "ca_intermediate_size": Option(int, 256, "cross-attention block's SwiGLU hidden size"),
         "rope_theta": Option(float, 10000.0, "rotary base of SA and CA (token positions)"),
+        "attention_window": Option(int, 0, "SA and CA read only the last W token positions, the query's own "
+                                           "included (0: all of them); the TLI layers read all",
+                                   required=False),
         "rms_norm_eps": Option(float, 1e-6, "RMSNorm epsilon"),
     }
 
@@ -52,6 +58,10 @@ class MoAConfig(DrafterConfigBase):
         check_positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
                   "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
                   "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")
+        if self.attention_window and not self.attention_window >= MIN_ATTENTION_WINDOW:
+            raise DrafterConfigError(f"{source}: key 'attention_window' must be 0 (no window) or at least "
+                                     f"{MIN_ATTENTION_WINDOW} (a draft must reach its verified rows), got "
+                                     f"{self.attention_window}")
         if not 0 <= self.tli <= sig.num_layers:
             raise DrafterConfigError(
                 f"{source}: key 'tli' must be in 0..{sig.num_layers} (target layers), got {self.tli}"

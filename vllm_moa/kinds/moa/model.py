@@ -34,7 +34,7 @@ from vllm_moa.layers import (
     causal_mask_after,
 )
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
-from vllm_moa.models.masks import cross_attention_mask, self_attention_mask, target_layers_mask
+from vllm_moa.models.masks import cross_attention_mask, self_attention_mask, target_layers_mask, within_window
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
 
@@ -180,6 +180,9 @@ class MoADrafter(Drafter):
         # TLI = 0: the CA output stands for the target's final *post-norm* hidden state; a trainable
         # RMSNorm (our addition to the reference) puts it on that scale before the LM head.
         self.out_norm = RMSNorm(config.target_signature.hidden_size, config.rms_norm_eps) if self.tli == 0 else None
+        # config attention_window: SA and CA read the last W positions (0: all); a runtime user may
+        # set it on a drafter trained without one (it is a mask: no weight depends on it)
+        self.attention_window = config.attention_window
 
     @torch.no_grad()
     def init_from_target(self, target: TargetModel) -> None:
@@ -222,7 +225,12 @@ class MoADrafter(Drafter):
         (draft_step) and batched drafting (batched.py) differ only in the masks and caches they
         pass. The vLLM-native drafter (integration/moa/draft_model.py) keeps its own copy: vLLM's
         layers own the paged KV, the compiled graph and the tensor-parallel split (pinned to this
-        one by tests/integration/vllm/test_vllm_model.py)."""
+        one by tests/integration/vllm/test_vllm_model.py). With an attention window both masks are
+        narrowed to the last W positions here (models/masks.within_window), for every mode at once."""
+        if self.attention_window:
+            num_sa_keys = (0 if sa_cache is None else sa_cache.length) + embeds.shape[1]
+            sa_mask = within_window(sa_mask, positions, num_sa_keys, self.attention_window)
+            ca_mask = within_window(ca_mask, positions, row_k.shape[2], self.attention_window)
         hidden = self.sa(embeds, positions, sa_mask, sa_cache)
         return self._head(self.ca(hidden, positions, row_k, row_v, ca_mask))
 
