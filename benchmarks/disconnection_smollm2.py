@@ -19,8 +19,11 @@ Per drafter, over the first 16 / 64 / 256 offline tokens:
   them (its argmax at each position of prompt + verified + offline text);
 * target NLL: the target's mean negative log-likelihood per token of what the drafter wrote (the
   target's own greedy continuation's NLL is listed as the floor).
+* distinct 4-grams: the share of the written text's 4-grams that are distinct (a drafter caught in
+  a loop writes text the target, reading the loop, comes to pick and finds likely: this tells
+  such text from good text; the target's own continuation gives the reference).
 A token not written (n-gram lookup stops where the text holds no match) counts as not picked and
-ends the prefix; the NLL is over the tokens written.
+ends the prefix; the NLL and the 4-grams are over the tokens written.
 Drafters: the shipped MoA (TLI 0; `--windows`: the same with attention_window set, trained
 without one), EAGLE-style, n-gram lookup over the prompt and verified text. SmolLM2 has no smaller
 sibling offline, so no independent small LM is listed. Prompts: Spec-Bench mt_bench first turns
@@ -99,7 +102,15 @@ def judge(target: TargetModel, context: list[int], written: list[int], reference
         row[f"prefix_{h}"] = prefix
         row[f"target_picks_{h}"] = round(sum(picks[:h]) / h, 4)  # a token not written is not picked
         row[f"target_nll_{h}"] = round(statistics.mean(nll[:h]), 4) if nll else None  # over what was written
+        row[f"distinct_4grams_{h}"] = distinct_ngrams(written[:h], 4)
     return row
+
+
+def distinct_ngrams(tokens: list[int], n: int) -> float | None:
+    """The share of a text's n-grams that are distinct: 1.0 for text that never repeats itself,
+    near 0 for a loop (which the target, reading the loop, also comes to pick)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return round(len(set(grams)) / len(grams), 4) if grams else None
 
 
 def main() -> None:
@@ -149,7 +160,7 @@ def main() -> None:
             summary[f"{name}/cut={cut}"] = {
                 key: round(statistics.mean(r[key] for r in sel if r[key] is not None), 3)
                 if any(r[key] is not None for r in sel) else None
-                for key in sel[0] if key.split("_")[0] in ("prefix", "target", "offline")}
+                for key in sel[0] if key.split("_")[0] in ("prefix", "target", "offline", "distinct")}
             print(f"cut {cut:3d} {name:18s} " + " ".join(f"{k} {v}" for k, v in summary[f"{name}/cut={cut}"].items()),
                   flush=True)
     report = {
@@ -172,8 +183,8 @@ def main() -> None:
 def plot(report: dict, path: Path) -> None:
     names = list(dict.fromkeys(key.split("/cut=")[0] for key in report["summary"]))
     metrics = (("prefix", "exact prefix (tokens)"), ("target_picks", "share the target would pick"),
-               ("target_nll", "target NLL per token"))
-    fig, axes = plt.subplots(len(report["cuts"]), len(metrics), figsize=(15, 3.8 * len(report["cuts"])), squeeze=False)
+               ("target_nll", "target NLL per token"), ("distinct_4grams", "distinct 4-grams (share)"))
+    fig, axes = plt.subplots(len(report["cuts"]), len(metrics), figsize=(20, 3.8 * len(report["cuts"])), squeeze=False)
     for r, cut in enumerate(report["cuts"]):
         for c, (metric, label) in enumerate(metrics):
             ax = axes[r, c]
