@@ -52,12 +52,14 @@ def chi_square_p(counts, probs):
 HYBRID = Retrieval(min_ngram=1, max_ngram=2)
 
 
+# MoA drafters: TLI = 1 (one sequence at a time, the target's last layer in the draft) for the
+# chain, TLI = 0 (the batch's sequences drafted together: kinds/moa/batched.py) for the others
 @pytest.mark.parametrize("drafter_kind,spec,sampling,retrieval", [
-    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0), None),
-    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), None),
+    ("moa-tli1", DraftSpec.chain(2), SamplingParams(temperature=1.0), None),
+    ("moa-tli0", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), None),
     ("ngram", DraftSpec.tree(depth=2, top_k=2, budget=3), SamplingParams(temperature=0.7, top_k=3, top_p=0.95), None),
-    ("moa", DraftSpec.chain(2), SamplingParams(temperature=1.0), HYBRID),
-    ("moa", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), HYBRID),
+    ("moa-tli0", DraftSpec.chain(2), SamplingParams(temperature=1.0), HYBRID),
+    ("moa-tli0", DraftSpec.tree(depth=2, top_k=2, budget=4), SamplingParams(temperature=0.8, top_p=0.95), HYBRID),
 ], ids=["moa-chain", "moa-tree", "ngram-tree", "hybrid-chain", "hybrid-tree"])
 @pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(drafter_kind, spec, sampling, retrieval):
@@ -65,7 +67,8 @@ def test_speculative_sampling_matches_target_distribution(drafter_kind, spec, sa
     exact distribution of the target's own warped sampling."""
     target = make_target("llama", vocab_size=VOCAB)
     torch.manual_seed(0)
-    drafter = MoADrafter(MoAConfig(target=target.signature, tli=1)).eval() if drafter_kind == "moa" else "ngram"
+    drafter = "ngram" if drafter_kind == "ngram" else \
+        MoADrafter(MoAConfig(target=target.signature, tli=int(drafter_kind[-1]))).eval()
     probs = exact_distribution(target, sampling)
     engine = SpeculativeEngine(target, drafter, spec, retrieval=retrieval)
     counts: dict = {}
