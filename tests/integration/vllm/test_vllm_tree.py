@@ -106,9 +106,11 @@ def test_trees_turn_themselves_down_and_keep_greedy_output():
     (drafted and verified as a chain), then nothing (K = 0: the drafter skips the step and catches
     up when drafting resumes), then the rung of most measured tokens per second: greedy output
     stays plain vLLM's through chains and trees in one engine. The chains show in vLLM's counters
-    as fewer draft tokens than 16 per draft; steps without drafts as drafts + accepted short of
-    the fixed tree's (every decode step of a request yields 1 + accepted tokens, and the
-    (request, step) pairs that drafted are `drafts`)."""
+    as fewer draft tokens than 16 per draft. vLLM's counters cannot tell the K = 0 steps apart
+    from steps whose drafts a change of shape dropped (with K = 0 taken out of the table, the
+    (request, step) pairs without drafts were still there): the ladder's K = 0 is checked in
+    tests/unit/integration/test_adaptive_k.py, the drafter's catch-up after skipped steps in
+    test_vllm_catch_up.py."""
     budget, tree = SHAPES["default"]
     adaptive = engine("moa", budget, passes=2, tree=tree, adaptive=True, concurrency=4)
     fixed = engine("moa", budget, passes=2, tree=tree)
@@ -117,10 +119,7 @@ def test_trees_turn_themselves_down_and_keep_greedy_output():
     counters, always = adaptive.passes[0].spec_decode, fixed.passes[0].spec_decode
     assert counters.drafts > 0 and counters.accepted > 0
     assert counters.draft_tokens < budget * counters.drafts, counters  # chains of at most 4 among the trees
-    # (request, step) pairs without drafts: at least one K = 0 step over the 4 requests (their
-    # number beyond that follows which rung measured fastest, which the machine decides)
-    undrafted = always.drafts + always.accepted - (counters.drafts + counters.accepted)
-    assert undrafted >= 4, (undrafted, counters, always)
+    assert always.draft_tokens == budget * always.drafts, always  # (the fixed tree's drafts are whole trees)
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_output_with_trees():
