@@ -56,31 +56,32 @@ from vllm_moa.models import load_drafter  # noqa: E402
 from vllm_moa.serving.local import decode_sync, open_local  # noqa: E402
 from vllm_moa.serving.protocol import SyncPayload  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
-from vllm_moa.target import TargetModel  # noqa: E402
+from vllm_moa.target import TargetModel, TargetOutput  # noqa: E402
 from vllm_moa.targets import fetch_smollm2  # noqa: E402
 
 HORIZONS = (16, 64, 256)
 ENCODING = "fp16"
 
 
-def server_view(drafter, target: TargetModel, tokens: list[int]):
-    """What the server would send a client that opened on `tokens`: the sync payload of its kind
-    (its server_sync on the target's output, fp16 on the wire), decoded as the client decodes it."""
-    payload = SyncPayload(start=0, count=len(tokens))
+def server_view(drafter, target: TargetModel, out: TargetOutput, count: int):
+    """What the server would send a client that opened on `count` tokens (`out`: the target's
+    output over them): the sync payload of its kind (its server_sync, fp16 on the wire), decoded as
+    the client decodes it."""
+    payload = SyncPayload(start=0, count=count)
     kind = kinds.kind_of(kinds.as_drafter(drafter))
     if kind.server_sync is not None:
-        with torch.no_grad():
-            out = target(torch.tensor([tokens]))
         # the server's copy of the drafter's shared weights (MoA's LSA; the others need none)
-        kind.server_sync(payload, out, torch.arange(len(tokens)), ENCODING, drafter if kind.name == "moa" else None)
+        kind.server_sync(payload, out, torch.arange(count), ENCODING, drafter if kind.name == "moa" else None)
     return decode_sync(payload, torch.float32, torch.device("cpu"), target.signature)
 
 
-def offline_continuation(drafter, target: TargetModel, verified: list[int], pending: int, n: int) -> list[int]:
-    """The client's drafter alone after `verified` tokens (prompt + answer so far, the last sampled
-    token `pending` not yet run through the target): n tokens, greedy."""
+def offline_continuation(drafter, target: TargetModel, verified: list[int], out: TargetOutput, pending: int,
+                         n: int) -> list[int]:
+    """The client's drafter alone after `verified` tokens (prompt + answer so far; `out`: the
+    target's output over them; the last sampled token `pending` not yet run through the target):
+    n tokens, greedy."""
     session = open_local(drafter, target)
-    session.start(verified, server_view(drafter, target, verified))
+    session.start(verified, server_view(drafter, target, out, len(verified)))
     with torch.no_grad():
         return session.draft_ahead([pending], n)
 
@@ -149,8 +150,10 @@ def main() -> None:
             # the target's own continuation, judged the same way: the floor of the NLL
             rows.append({"drafter": "target (greedy)", "cut": cut, "prompt": i,
                          **judge(target, verified + [pending], reference[: args.offline], reference)})
+            with torch.no_grad():  # once for every drafter: the server's forward over the verified tokens
+                out = target(torch.tensor([verified]))
             for name, drafter in drafters.items():
-                written = offline_continuation(drafter, target, verified, pending, args.offline)
+                written = offline_continuation(drafter, target, verified, out, pending, args.offline)
                 rows.append({"drafter": name, "cut": cut, "prompt": i, "offline_tokens": len(written),
                              **judge(target, verified + [pending], written, reference)})
     summary = {}

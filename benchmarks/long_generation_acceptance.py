@@ -65,6 +65,11 @@ def read_questions(path: Path, categories: list[str], count: int) -> list[str]:
     return questions[:count]
 
 
+def drafter_path(name: str) -> Path:
+    """A drafter directory, or the name of a shipped SmolLM2 drafter."""
+    return Path(name) if Path(name).is_dir() else SHIPPED_SMOLLM2 / name
+
+
 def acceptance_by_bin(results: list[GenerationResult], bin_size: int, ends: list[int] | None = None) -> list[dict]:
     """Rounds binned by the output position each starts at: per bin, rounds and acceptance length.
     With `ends` (one output position per result), only rounds that start before it count."""
@@ -108,13 +113,11 @@ def main() -> None:
     target = TargetModel.from_pretrained(folder)
     texts = read_questions(args.specbench / "mt_bench" / "question.jsonl", args.categories, args.num_prompts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
-    drafters = {Path(n).name: load_drafter(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2 / n, target).eval()
-                for n in args.drafters}
-    for name in [n for n, d in drafters.items() if hasattr(d, "attention_window")]:
+    drafters = {Path(n).name: load_drafter(drafter_path(n), target).eval() for n in args.drafters}
+    for n in [n for n in args.drafters if hasattr(drafters[Path(n).name], "attention_window")]:
         for window in args.windows:
-            windowed = load_drafter(Path(name) if Path(name).is_dir() else SHIPPED_SMOLLM2 / name, target).eval()
+            windowed = drafters[f"{Path(n).name} W={window}"] = load_drafter(drafter_path(n), target).eval()
             windowed.attention_window = window
-            drafters[f"{name} W={window}"] = windowed
     drafters["ngram"] = "ngram"
     tree = DraftSpec.tree(*args.tree)
     shapes = {f"chain K={args.chain}": DraftSpec.chain(args.chain), f"tree d={tree.depth} k={tree.top_k} b={tree.budget}": tree}
@@ -149,7 +152,7 @@ def main() -> None:
                     "greedy decoding; one ragged batch",
         "first_end_of_turn": ends,
         "drafters_trained_on_at_most_tokens": TRAINED_MAX_LENGTH,
-        "drafters": {n: str(Path(n) if Path(n).is_dir() else SHIPPED_SMOLLM2.relative_to(ROOT) / n) for n in args.drafters},
+        "drafters": {n: str(Path(n) if Path(n).is_dir() else drafter_path(n).relative_to(ROOT)) for n in args.drafters},
         "attention_windows": {"windows": args.windows,
                               "meaning": "'<drafter> W=<w>': the same drafter with attention_window = w set after "
                                          "loading (SA and CA read the last w positions; trained without a window)"},

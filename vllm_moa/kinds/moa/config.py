@@ -58,7 +58,7 @@ class MoAConfig(DrafterConfigBase):
         check_positive(self, source, "lsa_num_heads", "lsa_intermediate_size", "sa_num_heads",
                   "sa_num_kv_heads", "sa_head_dim", "sa_intermediate_size", "ca_num_heads",
                   "ca_num_kv_heads", "ca_head_dim", "ca_intermediate_size")
-        if self.attention_window and not self.attention_window >= MIN_ATTENTION_WINDOW:
+        if self.attention_window and self.attention_window < MIN_ATTENTION_WINDOW:
             raise DrafterConfigError(f"{source}: key 'attention_window' must be 0 (no window) or at least "
                                      f"{MIN_ATTENTION_WINDOW} (a draft must reach its verified rows), got "
                                      f"{self.attention_window}")
