@@ -9,8 +9,11 @@ Configurations: `{"method": "moa"}` as a user writes it; the tree the README sho
 (`moa_tree: {"depth": 5, "top_k": 4}`, 16 nodes); MoA alone at K = 4 fixed; vLLM's own
 `num_speculative_tokens_per_batch_size` schedule on MoA + lookup (K = 4 up to 4 requests, 0
 above); vLLM's n-gram (K = 3). A round runs "none", every configuration in an order rotated from
-round to round, then "none" again; each is a fresh engine (one `vllm.LLM`, engines one after
-another in one child process: engine_host.py), enforce_eager, fp32, greedy, ignore_eos.
+round to round, then "none" again; each is a fresh engine (one `vllm.LLM`), enforce_eager, fp32,
+greedy, ignore_eos. By default a round's engines run one after another in one child process
+(engine_host.py), each its whole day; with --side-by-side they live together in this process
+(vLLM's engine core in-process) and take turns at every point, "none" first and last, so that
+the machine's drift between two engines' runs at a point is seconds' worth, not tens of minutes'.
 
 Inside an engine: a warm-up pass, then one pass per concurrency c: the first max(c,
 --min-prompts) held-out chat prompts (repeated beyond the 16 shipped), in groups of c, each
@@ -29,7 +32,9 @@ Writes benchmarks/results/vllm_cpu_sweep_smollm2.{json,png} with provenance.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -44,7 +49,21 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts  # noqa: E402
 from vllm_moa.integration.serve.engine_host import EngineHost  # noqa: E402
-from vllm_moa.integration.serve.offline import EngineResult, EngineRun, RequestStreamSpec  # noqa: E402
+from vllm_moa.integration.serve.offline import (  # noqa: E402
+    EngineResult,
+    EngineRun,
+    Meters,
+    PassResult,
+    RequestStreamSpec,
+    StreamResult,
+    build_llm,
+    pass_sizes,
+    requests_of,
+    resolved_speculative_config,
+    run_pass,
+    shutdown,
+    stream_result,
+)
 from vllm_moa.integration.serve.request_stream import poisson_arrivals  # noqa: E402
 from vllm_moa.integration.shell.moa_defaults import MOA_ALONE  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
@@ -76,28 +95,93 @@ def stream_specs(args: argparse.Namespace) -> list[RequestStreamSpec]:
                               max_tokens=lengths) for index, rate in enumerate(args.rates)]
 
 
-def point_record(result: EngineResult) -> dict:
-    """What one engine measured: per concurrency and per stream."""
-    passes = {}
-    for done in result.passes[1:]:
-        tokens = sum(len(o) for o in done.outputs)
-        passes[str(done.concurrency)] = {
-            "tokens_per_s": tokens / done.seconds, "seconds": done.seconds,
+def pass_record(done: PassResult) -> dict:
+    tokens = sum(len(o) for o in done.outputs)
+    return {"tokens_per_s": tokens / done.seconds, "seconds": done.seconds,
             "inter_token_seconds": done.inter_token_seconds, "drafts": done.spec_decode.drafts,
             "acceptance_length": done.spec_decode.acceptance_length if done.spec_decode.drafts else None,
             "outputs": done.outputs}
-    streams = {}
-    for stream in result.streams:
-        latency = [f - a for f, a in zip(stream.finished, stream.arrival)]
-        tpot = [(f - t) / max(1, len(o) - 1) for f, t, o in zip(stream.finished, stream.first_token, stream.outputs)]
-        streams[f"{stream.rate:g}"] = {
-            "mean_latency_s": statistics.mean(latency), "mean_time_per_output_token_s": statistics.mean(tpot),
+
+
+def stream_record(stream: StreamResult) -> dict:
+    latency = [f - a for f, a in zip(stream.finished, stream.arrival)]
+    tpot = [(f - t) / max(1, len(o) - 1) for f, t, o in zip(stream.finished, stream.first_token, stream.outputs)]
+    return {"mean_latency_s": statistics.mean(latency), "mean_time_per_output_token_s": statistics.mean(tpot),
             "mean_time_to_first_token_s": statistics.mean(t - a for t, a in zip(stream.first_token, stream.arrival)),
             "seconds": stream.seconds, "drafts": stream.spec_decode.drafts,
             "acceptance_length": stream.spec_decode.acceptance_length if stream.spec_decode.drafts else None,
             "outputs": stream.outputs}
-    return {"passes": passes, "streams": streams, "startup_seconds": result.startup_seconds,
-            "speculative_config": result.speculative_config}
+
+
+def point_record(result: EngineResult) -> dict:
+    """What one engine measured: per concurrency and per stream."""
+    return {"passes": {str(done.concurrency): pass_record(done) for done in result.passes[1:]},
+            "streams": {f"{stream.rate:g}": stream_record(stream) for stream in result.streams},
+            "startup_seconds": result.startup_seconds, "speculative_config": result.speculative_config}
+
+
+def round_order(args: argparse.Namespace, round_index: int) -> list[str]:
+    """"none", the configurations rotated by the round, "none" again."""
+    shift = round_index % len(args.configs)
+    return [NONE, *args.configs[shift:], *args.configs[:shift], NONE]
+
+
+def engines_one_after_another(target: str, prompts: list[list[int]], args: argparse.Namespace,
+                              streams: list[RequestStreamSpec]) -> list[dict]:
+    """Each engine of a round runs its whole day (every pass, then the streams) before the next starts,
+    each a fresh `vllm.LLM` in the engine host's child."""
+    engines = []
+    with EngineHost(env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}) as host:
+        for round_index in range(args.rounds):
+            order = round_order(args, round_index)
+            for position, name in enumerate(tqdm(order, desc=f"round {round_index + 1}/{args.rounds}", file=sys.stderr)):
+                config = None if name == NONE else CONFIGS[name]
+                result = host.run(build_run(target, config, prompts, args, streams), timeout=3600)
+                engines.append({"round": round_index, "position": position, "name": name, **point_record(result)})
+    return engines
+
+
+def engines_side_by_side(target: str, prompts: list[list[int]], args: argparse.Namespace,
+                         streams: list[RequestStreamSpec]) -> list[dict]:
+    """A round's engines live together in this process (vLLM's engine core in-process) and take
+    turns at every point: each runs the point's pass (or stream) in the round's order, "none" first
+    and last, so the ratios at a point compare runs seconds apart, not tens of minutes. Each engine
+    still runs the day an engine runs alone (a warm-up pass, concurrency 1 to 64, then the streams),
+    and every round starts fresh engines."""
+    engines = []
+    for round_index in range(args.rounds):
+        order = round_order(args, round_index)
+        runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams)
+                for name in dict.fromkeys(order)}
+        built = {name: build_llm(run) for name, run in tqdm(
+            runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr)}
+        records = [{"round": round_index, "position": position, "name": name, "passes": {}, "streams": {},
+                    "startup_seconds": built[name][1], "speculative_config": resolved_speculative_config(
+                        built[name][0].llm_engine.vllm_config.speculative_config)}
+                   for position, name in enumerate(order)]
+        meters = dict.fromkeys(runs, Meters())
+        requests = {name: requests_of(run) for name, run in runs.items()}
+        try:
+            for index, (size, count) in enumerate(tqdm(pass_sizes(runs[NONE]), desc="passes", file=sys.stderr)):
+                for record in records if index else records[:-1]:  # the warm-up pass: once per engine
+                    name = record["name"]
+                    tokens, sampling = requests[name]
+                    done, meters[name] = run_pass(built[name][0], tokens[:count], sampling[:count], size, meters[name])
+                    if index:
+                        record["passes"][str(done.concurrency)] = pass_record(done)
+            for stream in tqdm(streams, desc="streams", file=sys.stderr):
+                for record in records:
+                    name = record["name"]
+                    tokens, sampling = requests[name]
+                    done_stream, meters[name] = stream_result(built[name][0], tokens, sampling, stream, meters[name])
+                    record["streams"][f"{stream.rate:g}"] = stream_record(done_stream)
+        finally:
+            for llm, _ in built.values():
+                shutdown(llm)
+            del built
+            gc.collect()
+        engines += records
+    return engines
 
 
 def main() -> None:
@@ -110,8 +194,13 @@ def main() -> None:
     parser.add_argument("--stream-requests", type=int, default=24)
     parser.add_argument("--stream-tokens", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="a round's engines in this process, taking turns at every point (less drift)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_cpu_sweep_smollm2.json")
     args = parser.parse_args()
+    if args.side_by_side:  # before vLLM is imported
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 
     from vllm_moa.targets import fetch_smollm2
 
@@ -122,15 +211,7 @@ def main() -> None:
     needed = max(max(args.concurrency), args.min_prompts, args.stream_requests, 16)
     prompts = [base[i % len(base)] for i in range(needed)]
     streams = stream_specs(args)
-    engines = []  # (round, position, name, record)
-    with EngineHost(env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}) as host:
-        for round_index in range(args.rounds):
-            shift = round_index % len(args.configs)
-            order = [NONE, *args.configs[shift:], *args.configs[:shift], NONE]
-            for position, name in enumerate(tqdm(order, desc=f"round {round_index + 1}/{args.rounds}", file=sys.stderr)):
-                config = None if name == NONE else CONFIGS[name]
-                result = host.run(build_run(target, config, prompts, args, streams), timeout=3600)
-                engines.append({"round": round_index, "position": position, "name": name, **point_record(result)})
+    engines = (engines_side_by_side if args.side_by_side else engines_one_after_another)(target, prompts, args, streams)
     rows = summarize(engines, args)
     report = {
         "benchmark": "vllm_cpu_sweep", "target": target, "prompts": str(heldout), "configs": CONFIGS,
@@ -139,7 +220,11 @@ def main() -> None:
         "prompt_tokens": [len(p) for p in base],
         "streams": [s.model_dump() for s in streams], "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True,
-                   "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+                   "engines": "side by side in one process, taking turns at every point" if args.side_by_side
+                   else "one after another, each in the engine host's child",
+                   "VLLM_CPU_KVCACHE_SPACE": "1" if args.side_by_side else "2",
+                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if args.side_by_side
+                   else "0-1"},
         "provenance": origin,
         "engines": strip_outputs(engines),
     }

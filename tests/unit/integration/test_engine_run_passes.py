@@ -41,3 +41,20 @@ def test_the_first_two_passes_add_up():
 def test_passes_the_run_does_not_have_are_refused(n):
     with pytest.raises(ValueError, match="has no first"):
         _run().first_passes(n)
+
+
+def test_a_pass_s_counters_are_the_difference_of_two_readings():
+    """Meters.since: what the engines side by side (benchmarks/vllm_cpu_sweep.py --side-by-side)
+    and execute both read a pass's own counters through."""
+    from vllm_moa.integration.serve.offline import Meters
+
+    before = Meters(spec_decode=SpecDecodeCounters(drafts=4, draft_tokens=12, accepted=5, accepted_per_pos=[3, 2, 0]),
+                    prefix_cache_hits=32, preemptions=1, inter_token=(2.0, 40))
+    after = Meters(spec_decode=SpecDecodeCounters(drafts=10, draft_tokens=30, accepted=17, accepted_per_pos=[8, 6, 3]),
+                   prefix_cache_hits=96, preemptions=1, inter_token=(3.5, 70))
+    since = after.since(before)
+    assert since["spec_decode"] == SpecDecodeCounters(drafts=6, draft_tokens=18, accepted=12, accepted_per_pos=[5, 4, 3])
+    assert (since["prefix_cache_hits"], since["preemptions"]) == (64, 0)
+    assert since["inter_token_seconds"] == pytest.approx(1.5 / 30)
+    assert after.since(after)["inter_token_seconds"] is None  # no step between two readings: no time per step
+    assert after.since(Meters())["spec_decode"] == after.spec_decode  # a fresh engine's first pass: all it counted

@@ -202,78 +202,123 @@ def counter_total(metrics: list, name: str) -> int:
     return sum(int(m.value) for m in metrics if isinstance(m, Counter) and m.name == name)
 
 
-def execute(run: EngineRun) -> EngineResult:
-    """Run `run` in this process (the child's side of run_engine)."""
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+class Meters(BaseModel):
+    """One engine's cumulative counters at one moment (LLM.get_metrics()); a pass's own figures are
+    the difference of two readings."""
+
+    spec_decode: SpecDecodeCounters = Field(default_factory=SpecDecodeCounters)
+    prefix_cache_hits: int = 0  # tokens
+    preemptions: int = 0
+    inter_token: tuple[float, int] = (0.0, 0)  # vLLM's inter-token histogram: (sum of seconds, count)
+
+    @classmethod
+    def read(cls, llm: Any) -> Meters:
+        metrics = llm.get_metrics()
+        return cls(spec_decode=spec_decode_counters(metrics), prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
+                   preemptions=counter_total(metrics, PREEMPTIONS), inter_token=histogram_totals(metrics, INTER_TOKEN))
+
+    def since(self, earlier: Meters) -> dict[str, Any]:
+        """PassResult's counter fields for what happened between `earlier` and this reading."""
+        steps = self.inter_token[1] - earlier.inter_token[1]
+        return {"spec_decode": self.spec_decode.minus(earlier.spec_decode),
+                "prefix_cache_hits": self.prefix_cache_hits - earlier.prefix_cache_hits,
+                "preemptions": self.preemptions - earlier.preemptions,
+                "inter_token_seconds": (self.inter_token[0] - earlier.inter_token[0]) / steps if steps else None}
+
+
+def build_llm(run: EngineRun) -> tuple[Any, float]:
+    """The run's engine in this process and its start-up seconds."""
+    from vllm import LLM
 
     kwargs = {"enforce_eager": True, "disable_log_stats": False, **run.engine}
     start = time.perf_counter()
     llm = LLM(model=run.target, speculative_config=run.speculative_config, **kwargs)
-    startup = time.perf_counter() - start
+    return llm, time.perf_counter() - start
+
+
+def requests_of(run: EngineRun) -> tuple[list[Any], list[Any]]:
+    """The run's prompts as vLLM TokensPrompts, and one SamplingParams per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
+    if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
+        raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
+    extra = run.sampling or [{}] * len(run.prompts)
+    if len(extra) != len(run.prompts):
+        raise ValueError(f"need one sampling dict per prompt, got {len(extra)} for {len(run.prompts)}")
+    sampling = [SamplingParams(**{"temperature": t, "max_tokens": run.max_tokens, "ignore_eos": run.ignore_eos,
+                                  "seed": None if run.seed is None else run.seed + i, **more})
+                for i, (t, more) in enumerate(zip(temperatures, extra))]
+    return [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts], sampling
+
+
+def pass_sizes(run: EngineRun) -> list[tuple[int, int]]:
+    """Per pass: (requests submitted together, prompts it runs)."""
+    sizes = run.pass_prompts or [len(run.prompts)] * len(run.passes)
+    if len(sizes) != len(run.passes) or not all(0 < n <= len(run.prompts) for n in sizes):
+        raise ValueError(f"pass_prompts needs one count in 1..{len(run.prompts)} per pass, got {sizes}")
+    return [(group or count, count) for group, count in zip(run.passes, sizes)]
+
+
+def run_pass(llm: Any, prompts: list[Any], sampling: list[Any], size: int, meters: Meters,
+             per_request: bool = False) -> tuple[PassResult, Meters]:
+    """One pass: the prompts in consecutive groups of `size`, each generated to the end before the
+    next (concurrency `size`); its counters are those since `meters`, returned with the new reading.
+    per_request: read each request's verified draft tokens (an engine built with
+    per_request_spec_decode_metrics)."""
+    many = any(p.n > 1 for p in sampling)
+    wants_logprobs = any(p.logprobs is not None for p in sampling)
+    outputs: list[list[int]] = []
+    completions: list[list[list[int]]] = []
+    logprobs: list[list[float] | None] = []
+    draft_tokens: list[int | None] = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), size):
+        done = llm.generate(prompts[first:first + size], sampling[first:first + size], use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in done]
+        completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
+        logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
+        draft_tokens += [request_draft_tokens(o.outputs[0]) for o in done] if per_request else []
+    seconds = time.perf_counter() - start
+    now = Meters.read(llm)
+    return PassResult(concurrency=min(size, len(prompts)), outputs=outputs, completions=completions, logprobs=logprobs,
+                      draft_tokens=draft_tokens, seconds=seconds, **now.since(meters)), now
+
+
+def stream_result(llm: Any, prompts: list[Any], sampling: list[Any], stream: RequestStreamSpec,
+                  meters: Meters) -> tuple[StreamResult, Meters]:
+    """One request stream (run_stream), its spec-decode counters since `meters`, and the new reading."""
+    times = run_stream(llm, prompts, sampling, stream)
+    now = Meters.read(llm)
+    return StreamResult(**times.model_dump(), rate=stream.rate, spec_decode=now.spec_decode.minus(meters.spec_decode)), now
+
+
+def execute(run: EngineRun) -> EngineResult:
+    """Run `run` in this process (the child's side of run_engine)."""
+    import vllm
+
+    llm, startup = build_llm(run)
     try:
         resolved = resolved_speculative_config(llm.llm_engine.vllm_config.speculative_config)
-        temperatures = run.temperature if isinstance(run.temperature, list) else [run.temperature] * len(run.prompts)
-        if len(temperatures) != len(run.prompts) or min(temperatures, default=0) < 0:
-            raise ValueError(f"need one temperature >= 0 per prompt, got {len(temperatures)} for {len(run.prompts)}")
-        extra = run.sampling or [{}] * len(run.prompts)
-        if len(extra) != len(run.prompts):
-            raise ValueError(f"need one sampling dict per prompt, got {len(extra)} for {len(run.prompts)}")
-        sampling = [SamplingParams(**{"temperature": t, "max_tokens": run.max_tokens, "ignore_eos": run.ignore_eos,
-                                      "seed": None if run.seed is None else run.seed + i, **more})
-                    for i, (t, more) in enumerate(zip(temperatures, extra))]
-        many = any(more.get("n", 1) > 1 for more in extra)
+        prompts, sampling = requests_of(run)
         per_request = run.engine.get("per_request_spec_decode_metrics", "none") != "none"
-        wants_logprobs = any(more.get("logprobs") is not None for more in extra)
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run.prompts]
-        passes, before, hits_before, preempted_before = [], SpecDecodeCounters(), 0, 0
-        itl_before = (0.0, 0)
-        sizes = run.pass_prompts or [len(prompts)] * len(run.passes)
-        if len(sizes) != len(run.passes) or not all(0 < n <= len(prompts) for n in sizes):
-            raise ValueError(f"pass_prompts needs one count in 1..{len(prompts)} per pass, got {sizes}")
-        for group, count in zip(run.passes, sizes):
-            size = group or count
-            outputs: list[list[int]] = []
-            completions: list[list[list[int]]] = []
-            logprobs: list[list[float] | None] = []
-            draft_tokens: list[int | None] = []
-            start = time.perf_counter()
-            for first in range(0, count, size):
-                last = min(first + size, count)
-                done = llm.generate(prompts[first:last], sampling[first:last], use_tqdm=False)
-                outputs += [list(o.outputs[0].token_ids) for o in done]
-                completions += [[list(c.token_ids) for c in o.outputs] for o in done] if many else []
-                logprobs += [sampled_logprobs(o.outputs[0]) for o in done] if wants_logprobs else []
-                draft_tokens += [request_draft_tokens(o.outputs[0]) for o in done] if per_request else []
-            seconds = time.perf_counter() - start
-            metrics = llm.get_metrics()
-            after, hits, preempted = (spec_decode_counters(metrics), counter_total(metrics, PREFIX_CACHE_HITS),
-                                      counter_total(metrics, PREEMPTIONS))
-            itl = histogram_totals(metrics, INTER_TOKEN)
-            steps = itl[1] - itl_before[1]
-            passes.append(PassResult(concurrency=min(size, count), outputs=outputs, completions=completions,
-                                     logprobs=logprobs, draft_tokens=draft_tokens, seconds=seconds, spec_decode=after.minus(before),
-                                     prefix_cache_hits=hits - hits_before, preemptions=preempted - preempted_before,
-                                     inter_token_seconds=(itl[0] - itl_before[0]) / steps if steps else None))
-            before, hits_before, preempted_before, itl_before = after, hits, preempted, itl
-        streams = []
+        passes, streams, meters = [], [], Meters()
+        for size, count in pass_sizes(run):
+            done, meters = run_pass(llm, prompts[:count], sampling[:count], size, meters, per_request)
+            passes.append(done)
         for stream in run.streams:
-            times = run_stream(llm, prompts, sampling, stream)
-            after = spec_decode_counters(llm.get_metrics())
-            streams.append(StreamResult(**times.model_dump(), rate=stream.rate, spec_decode=after.minus(before)))
-            before = after
-        metrics = llm.get_metrics()
+            done_stream, meters = stream_result(llm, prompts, sampling, stream, meters)
+            streams.append(done_stream)
         traffic = []
         if run.tap_traffic:
             from vllm_moa.integration.moa.tensor_parallel import worker_tap_traffic
 
             traffic = [t for t in llm.collective_rpc(worker_tap_traffic) if t]
         return EngineResult(
-            passes=passes, startup_seconds=startup, spec_decode=spec_decode_counters(metrics),
-            prefix_cache_hits=counter_total(metrics, PREFIX_CACHE_HITS),
-            preemptions=counter_total(metrics, PREEMPTIONS), vllm_version=vllm.__version__, tap_traffic=traffic,
-            speculative_config=resolved, streams=streams,
+            passes=passes, startup_seconds=startup, spec_decode=meters.spec_decode,
+            prefix_cache_hits=meters.prefix_cache_hits, preemptions=meters.preemptions,
+            vllm_version=vllm.__version__, tap_traffic=traffic, speculative_config=resolved, streams=streams,
         )
     finally:
         shutdown(llm)
