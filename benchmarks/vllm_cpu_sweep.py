@@ -32,12 +32,13 @@ Writes benchmarks/results/vllm_cpu_sweep_smollm2.{json,png} with provenance.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import matplotlib
@@ -143,45 +144,51 @@ def engines_one_after_another(target: str, prompts: list[list[int]], args: argpa
 
 def engines_side_by_side(target: str, prompts: list[list[int]], args: argparse.Namespace,
                          streams: list[RequestStreamSpec]) -> list[dict]:
-    """A round's engines live together in this process (vLLM's engine core in-process) and take
+    """A round's engines live together in one process (vLLM's engine core in-process) and take
     turns at every point: each runs the point's pass (or stream) in the round's order, "none" first
     and last, so the ratios at a point compare runs seconds apart, not tens of minutes. Each engine
-    still runs the day an engine runs alone (a warm-up pass, concurrency 1 to 64, then the streams),
-    and every round starts fresh engines."""
+    still runs the day an engine runs alone (a warm-up pass, concurrency 1 to 64, then the streams).
+    Every round runs in a fresh process (spawned): vLLM's CPU platform rebinds its Triton kernels
+    once per process and fails to build an engine after the first ones are shut down."""
     engines = []
     for round_index in range(args.rounds):
-        order = round_order(args, round_index)
-        runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams)
-                for name in dict.fromkeys(order)}
-        built = {name: build_llm(run) for name, run in tqdm(
-            runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr)}
-        records = [{"round": round_index, "position": position, "name": name, "passes": {}, "streams": {},
-                    "startup_seconds": built[name][1], "speculative_config": resolved_speculative_config(
-                        built[name][0].llm_engine.vllm_config.speculative_config)}
-                   for position, name in enumerate(order)]
-        meters = dict.fromkeys(runs, Meters())
-        requests = {name: requests_of(run) for name, run in runs.items()}
-        try:
-            for index, (size, count) in enumerate(tqdm(pass_sizes(runs[NONE]), desc="passes", file=sys.stderr)):
-                for record in records if index else records[:-1]:  # the warm-up pass: once per engine
-                    name = record["name"]
-                    tokens, sampling = requests[name]
-                    done, meters[name] = run_pass(built[name][0], tokens[:count], sampling[:count], size, meters[name])
-                    if index:
-                        record["passes"][str(done.concurrency)] = pass_record(done)
-            for stream in tqdm(streams, desc="streams", file=sys.stderr):
-                for record in records:
-                    name = record["name"]
-                    tokens, sampling = requests[name]
-                    done_stream, meters[name] = stream_result(built[name][0], tokens, sampling, stream, meters[name])
-                    record["streams"][f"{stream.rate:g}"] = stream_record(done_stream)
-        finally:
-            for llm, _ in built.values():
-                shutdown(llm)
-            del built
-            gc.collect()
-        engines += records
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            engines += pool.submit(side_by_side_round, target, prompts, args, streams, round_index).result()
     return engines
+
+
+def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Namespace,
+                       streams: list[RequestStreamSpec], round_index: int) -> list[dict]:
+    """One round of engines_side_by_side, in this process."""
+    order = round_order(args, round_index)
+    runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams)
+            for name in dict.fromkeys(order)}
+    built = {name: build_llm(run) for name, run in tqdm(
+        runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr)}
+    records = [{"round": round_index, "position": position, "name": name, "passes": {}, "streams": {},
+                "startup_seconds": built[name][1], "speculative_config": resolved_speculative_config(
+                    built[name][0].llm_engine.vllm_config.speculative_config)}
+               for position, name in enumerate(order)]
+    meters = dict.fromkeys(runs, Meters())
+    requests = {name: requests_of(run) for name, run in runs.items()}
+    try:
+        for index, (size, count) in enumerate(tqdm(pass_sizes(runs[NONE]), desc="passes", file=sys.stderr)):
+            for record in records if index else records[:-1]:  # the warm-up pass: once per engine
+                name = record["name"]
+                tokens, sampling = requests[name]
+                done, meters[name] = run_pass(built[name][0], tokens[:count], sampling[:count], size, meters[name])
+                if index:
+                    record["passes"][str(done.concurrency)] = pass_record(done)
+        for stream in tqdm(streams, desc="streams", file=sys.stderr):
+            for record in records:
+                name = record["name"]
+                tokens, sampling = requests[name]
+                done_stream, meters[name] = stream_result(built[name][0], tokens, sampling, stream, meters[name])
+                record["streams"][f"{stream.rate:g}"] = stream_record(done_stream)
+    finally:
+        for llm, _ in built.values():
+            shutdown(llm)
+    return records
 
 
 def main() -> None:
