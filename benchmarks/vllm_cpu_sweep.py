@@ -50,6 +50,7 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts  # noqa: E402
 from vllm_moa.integration.serve.engine_host import EngineHost  # noqa: E402
+from vllm_moa.integration.serve.engine_metrics import engine_collectors, show_only  # noqa: E402
 from vllm_moa.integration.serve.offline import (  # noqa: E402
     EngineResult,
     EngineRun,
@@ -163,8 +164,10 @@ def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Nam
     order = round_order(args, round_index)
     runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams)
             for name in dict.fromkeys(order)}
-    built = {name: build_llm(run) for name, run in tqdm(
-        runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr)}
+    built, collectors = {}, {}
+    for name, run in tqdm(runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr):
+        built[name] = build_llm(run)
+        collectors[name] = engine_collectors()  # its own counters (engine_metrics.py)
     records = [{"round": round_index, "position": position, "name": name, "passes": {}, "streams": {},
                 "startup_seconds": built[name][1], "speculative_config": resolved_speculative_config(
                     built[name][0].llm_engine.vllm_config.speculative_config)}
@@ -176,6 +179,7 @@ def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Nam
             for record in records if index else records[:-1]:  # the warm-up pass: once per engine
                 name = record["name"]
                 tokens, sampling = requests[name]
+                show_only(collectors[name])
                 done, meters[name] = run_pass(built[name][0], tokens[:count], sampling[:count], size, meters[name])
                 if index:
                     record["passes"][str(done.concurrency)] = pass_record(done)
@@ -183,6 +187,7 @@ def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Nam
             for record in records:
                 name = record["name"]
                 tokens, sampling = requests[name]
+                show_only(collectors[name])
                 done_stream, meters[name] = stream_result(built[name][0], tokens, sampling, stream, meters[name])
                 record["streams"][f"{stream.rate:g}"] = stream_record(done_stream)
     finally:
@@ -230,7 +235,8 @@ def main() -> None:
                    "engines": "side by side in one process, taking turns at every point" if args.side_by_side
                    else "one after another, each in the engine host's child",
                    "VLLM_CPU_KVCACHE_SPACE": "1" if args.side_by_side else "2",
-                   "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") if args.side_by_side
+                   # vLLM binds OpenMP threads only in a worker process of its own
+                   "VLLM_CPU_OMP_THREADS_BIND": "not applied (in-process executor)" if args.side_by_side
                    else "0-1"},
         "provenance": origin,
         "engines": strip_outputs(engines),

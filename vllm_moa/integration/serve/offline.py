@@ -204,7 +204,8 @@ def counter_total(metrics: list, name: str) -> int:
 
 class Meters(BaseModel):
     """One engine's cumulative counters at one moment (LLM.get_metrics()); a pass's own figures are
-    the difference of two readings."""
+    the difference of two readings. With several engines in one process, put the engine's own
+    collectors back first (engine_metrics.show_only): vLLM keeps only the last engine's."""
 
     spec_decode: SpecDecodeCounters = Field(default_factory=SpecDecodeCounters)
     prefix_cache_hits: int = 0  # tokens
@@ -261,14 +262,16 @@ def pass_sizes(run: EngineRun) -> list[tuple[int, int]]:
     return [(group or count, count) for group, count in zip(run.passes, sizes)]
 
 
-def run_pass(llm: Any, prompts: list[Any], sampling: list[Any], size: int, meters: Meters,
-             per_request: bool = False) -> tuple[PassResult, Meters]:
+def run_pass(llm: Any, prompts: list[Any], sampling: list[Any], size: int, meters: Meters, *,
+             per_request: bool = False, many: bool | None = None,
+             wants_logprobs: bool | None = None) -> tuple[PassResult, Meters]:
     """One pass: the prompts in consecutive groups of `size`, each generated to the end before the
     next (concurrency `size`); its counters are those since `meters`, returned with the new reading.
     per_request: read each request's verified draft tokens (an engine built with
-    per_request_spec_decode_metrics)."""
-    many = any(p.n > 1 for p in sampling)
-    wants_logprobs = any(p.logprobs is not None for p in sampling)
+    per_request_spec_decode_metrics); many / wants_logprobs: keep every completion / the sampled
+    logprobs (default: where a request of this pass asks for them)."""
+    many = any(p.n > 1 for p in sampling) if many is None else many
+    wants_logprobs = any(p.logprobs is not None for p in sampling) if wants_logprobs is None else wants_logprobs
     outputs: list[list[int]] = []
     completions: list[list[list[int]]] = []
     logprobs: list[list[float] | None] = []
@@ -302,10 +305,12 @@ def execute(run: EngineRun) -> EngineResult:
     try:
         resolved = resolved_speculative_config(llm.llm_engine.vllm_config.speculative_config)
         prompts, sampling = requests_of(run)
-        per_request = run.engine.get("per_request_spec_decode_metrics", "none") != "none"
+        wanted = {"per_request": run.engine.get("per_request_spec_decode_metrics", "none") != "none",
+                  "many": any(p.n > 1 for p in sampling),  # any request of the run: every pass keeps them
+                  "wants_logprobs": any(p.logprobs is not None for p in sampling)}
         passes, streams, meters = [], [], Meters()
         for size, count in pass_sizes(run):
-            done, meters = run_pass(llm, prompts[:count], sampling[:count], size, meters, per_request)
+            done, meters = run_pass(llm, prompts[:count], sampling[:count], size, meters, **wanted)
             passes.append(done)
         for stream in run.streams:
             done_stream, meters = stream_result(llm, prompts, sampling, stream, meters)
