@@ -149,12 +149,14 @@ def engines_side_by_side(target: str, prompts: list[list[int]], args: argparse.N
     turns at every point: each runs the point's pass (or stream) in the round's order, "none" first
     and last, so the ratios at a point compare runs seconds apart, not tens of minutes. Each engine
     still runs the day an engine runs alone (a warm-up pass, concurrency 1 to 64, then the streams).
-    Every round runs in a fresh process (spawned): vLLM's CPU platform rebinds its Triton kernels
-    once per process and fails to build an engine after the first ones are shut down."""
+    Every round runs in a fresh process (spawned), its engines built with vLLM's n-gram last: vLLM's
+    CPU platform failed to build an engine in a process where an n-gram engine had been built.
+    Each finished round's records (without tokens) are written beside --out as they come."""
     engines = []
     for round_index in range(args.rounds):
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             engines += pool.submit(side_by_side_round, target, prompts, args, streams, round_index).result()
+        args.out.with_suffix(".rounds.json").write_text(json.dumps(strip_outputs(engines)))  # what is done so far
     return engines
 
 
@@ -162,8 +164,10 @@ def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Nam
                        streams: list[RequestStreamSpec], round_index: int) -> list[dict]:
     """One round of engines_side_by_side, in this process."""
     order = round_order(args, round_index)
-    runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams)
-            for name in dict.fromkeys(order)}
+    # vLLM's n-gram engines are built last: an engine built after one in the same process fails in
+    # the CPU platform's Triton kernel rebinding (AttributeError in register_kernels)
+    names = sorted(dict.fromkeys(order), key=lambda name: name != NONE and CONFIGS[name].get("method") == "ngram")
+    runs = {name: build_run(target, None if name == NONE else CONFIGS[name], prompts, args, streams) for name in names}
     built, collectors = {}, {}
     for name, run in tqdm(runs.items(), desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr):
         built[name] = build_llm(run)
