@@ -21,20 +21,16 @@ from prometheus_client import REGISTRY
 VLLM_PREFIX = "vllm:"
 
 
-def _vllm_collectors() -> list[Any]:
-    # the registry has no public listing; vLLM's own unregister_vllm_metrics reads the same map
-    return [c for c in list(REGISTRY._collector_to_names) if getattr(c, "_name", "").startswith(VLLM_PREFIX)]
-
-
 def engine_collectors() -> list[Any]:
     """The vLLM collectors in the registry now: right after an engine is built, that engine's."""
-    return _vllm_collectors()
+    # the registry has no public listing; vLLM's own unregister_vllm_metrics reads the same map
+    return [c for c in list(REGISTRY._collector_to_names) if getattr(c, "_name", "").startswith(VLLM_PREFIX)]
 
 
 def show_only(collectors: list[Any]) -> None:
     """Put `collectors` in the registry in place of whatever vLLM collectors are there, so that
     LLM.get_metrics() reads the engine they belong to."""
-    for collector in _vllm_collectors():
+    for collector in engine_collectors():
         REGISTRY.unregister(collector)
     for collector in collectors:
         REGISTRY.register(collector)

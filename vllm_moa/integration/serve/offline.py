@@ -263,15 +263,12 @@ def pass_sizes(run: EngineRun) -> list[tuple[int, int]]:
 
 
 def run_pass(llm: Any, prompts: list[Any], sampling: list[Any], size: int, meters: Meters, *,
-             per_request: bool = False, many: bool | None = None,
-             wants_logprobs: bool | None = None) -> tuple[PassResult, Meters]:
+             per_request: bool = False, many: bool = False, wants_logprobs: bool = False) -> tuple[PassResult, Meters]:
     """One pass: the prompts in consecutive groups of `size`, each generated to the end before the
     next (concurrency `size`); its counters are those since `meters`, returned with the new reading.
     per_request: read each request's verified draft tokens (an engine built with
     per_request_spec_decode_metrics); many / wants_logprobs: keep every completion / the sampled
-    logprobs (default: where a request of this pass asks for them)."""
-    many = any(p.n > 1 for p in sampling) if many is None else many
-    wants_logprobs = any(p.logprobs is not None for p in sampling) if wants_logprobs is None else wants_logprobs
+    logprobs (execute sets them where any request of the run asks)."""
     outputs: list[list[int]] = []
     completions: list[list[list[int]]] = []
     logprobs: list[list[float] | None] = []
