@@ -83,7 +83,7 @@ OFFLINE_DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
 HORIZONS = (16, 64, 256)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -369,7 +369,7 @@ def main() -> None:
     latency_prompts = prompts[: args.prompts]
     expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in latency_prompts]
     started = time.perf_counter()
-    port = _free_port()
+    port = free_port()
     server = start_server(port)
     try:
         with NetSimProcess(port, seed=0) as sim:
@@ -378,7 +378,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    port = _free_port()
+    port = free_port()
     server = start_server(port, min_forward_ms=SLOW_STEP_MS)
     try:
         with NetSimProcess(port, seed=1) as sim:
@@ -428,7 +428,7 @@ def main_grid(args, prov: dict) -> None:
     user_expected = [plain_greedy_generate(target, p, args.tokens).token_ids for p in user_prompts]
     started = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     server = start_server(port, backend=args.backend, target=target_dir, drafters=served)
     try:
         with NetSimProcess(port, seed=2) as sim:

@@ -65,7 +65,7 @@ def server_cpu_seconds(pid: int) -> float:
     return total
 
 
-def _run_users(make_client: Callable, prompts: list, expected: list, count: int, tokens: int, target) -> dict:
+def run_user_group(make_client: Callable, prompts: list, expected: list, count: int, tokens: int, target) -> dict:
     """`count` users at once; their tokens, wall, the gaps between deliveries and near-ties."""
     gaps: list[float] = []
     errors: list[str] = []
@@ -127,7 +127,7 @@ def run_users(sim, server_pid: int, target, drafter, prompts: list, expected: li
         measured = {}
         for mode, make_client in modes.items():
             cpu = server_cpu_seconds(server_pid)
-            run = _run_users(make_client, prompts, expected, count, tokens, target)
+            run = run_user_group(make_client, prompts, expected, count, tokens, target)
             cpu = server_cpu_seconds(server_pid) - cpu
             gaps = sorted(run.pop("gaps"))
             row = {"mode": mode, "clients": count, "rtt_ms": rtt_ms, "bandwidth_mbit": bandwidth_mbit, **run,
