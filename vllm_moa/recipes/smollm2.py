@@ -78,7 +78,7 @@ def save_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _engine_env(threads: str) -> dict[str, str]:
+def engine_env(threads: str) -> dict[str, str]:
     """vLLM's CPU worker binds one core and reserves the rest unless told otherwise."""
     return {"VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -94,7 +94,7 @@ def generate(target_dir: Path, prompts: list[list[int]], temperatures: list[floa
                         seed=seed, ignore_eos=False,
                         engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 64,
                                 "enable_prefix_caching": True})
-        return run_engine(run, timeout=12 * 3600, env=_engine_env(threads), python=vllm_python).passes[0].outputs
+        return run_engine(run, timeout=12 * 3600, env=engine_env(threads), python=vllm_python).passes[0].outputs
     from transformers import AutoModelForCausalLM
 
     from vllm_moa.training.data import regenerate_responses

@@ -15,6 +15,9 @@ sessions and machines:
 * equal-cost ablations: --threads 1 and --cpu-hours H stop a run at H hours of recorded training
   CPU time (resumed runs included; a paused process accrues none); --lsa-layer-stride N trains
   an MoA drafter whose LSA reads every N-th layer with the last, in its own run directory;
+* long answers: --long-data adds the target's long continuations (smollm2_long_data.py, >= 1,024
+  tokens each) to the training sequences and trains on 1,280 tokens of each (--max-length), in a
+  run directory of its own;
 * checkpoints every --checkpoint-minutes (default 10) and when --hours run out; progress in
   metrics.jsonl; held-out agreement by depth at the end in --work/<drafter>/long_report.json.
 
@@ -51,6 +54,9 @@ from vllm_moa.recipes.smollm2 import (
 from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
 
 DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
+# long on-policy sequences (smollm2_long_data.py), for --long-data
+LONG_DATASET = Path(__file__).with_name("data") / "smollm2_long_responses.json.gz"
+LONG_MAX_LENGTH = 1280  # a prompt and 1,024 new tokens
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 DEFAULT_WORK = envs.VLLM_MOA_CACHE / "runs" / "smollm2-long"
 
@@ -222,6 +228,10 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, nargs=2, default=DEFAULT_ANCHORS, metavar=("MIN", "MAX"),
                         help="anchor spacing in responses, drawn per sample (the reference's 6 14: positions k tokens "
                              "past an anchor train draft depth k; another range: its own run directory)")
+    parser.add_argument("--long-data", action="store_true",
+                        help="also train on the long on-policy sequences (smollm2_long_data.py; its own run directory)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens of a sequence trained on (default: the recipe's 256, 1,280 with --long-data)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
@@ -244,6 +254,12 @@ def main() -> None:
     train, held = load_dataset()
     if args.sequences:
         train = train[: args.sequences]
+    if args.long_data:
+        if not LONG_DATASET.is_file():
+            parser.error(f"--long-data: {LONG_DATASET} is missing; build it with python -m "
+                         "vllm_moa.recipes.smollm2_long_data")
+        train = train + load_dataset(LONG_DATASET)[0]
+    max_length = args.max_length or (LONG_MAX_LENGTH if args.long_data else recipe.max_length)
     if args.lsa_layer_stride is None:
         shipped_config = SHIPPED / args.drafter / "config.json"
         args.lsa_layer_stride = (json.loads(shipped_config.read_text()).get("lsa_layer_stride", 1)
@@ -251,7 +267,8 @@ def main() -> None:
     run_name = (args.drafter + (f"-stride{args.lsa_layer_stride}" if args.lsa_layer_stride != 1 else "")
                 + ("-hidden" if args.final_hidden_rows else "")
                 + (f"-kl{args.kl_weight:g}" if args.kl_weight != DEFAULT_KL_WEIGHT else "")
-                + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != DEFAULT_ANCHORS else ""))
+                + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != DEFAULT_ANCHORS else "")
+                + (f"-long{max_length}" if args.long_data or max_length != recipe.max_length else ""))
     if args.ship:
         checkpoints = args.work / run_name / "checkpoints"
         checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
@@ -259,7 +276,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in entry.items() if k != "provenance"}, indent=2))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    features = build_feature_cache(target, train, args.work / f"features-{len(train)}", recipe.max_length,
+    features = build_feature_cache(target, train, args.work / (f"features-{len(train)}" + (
+                                       f"-{max_length}" if max_length != recipe.max_length else "")), max_length,
                                    tli_depths=(1,), progress=not args.no_progress)
     vocab = draft_vocabulary(train, recipe.draft_vocab_size, target.vocab_size, [tokenizer.eos_token_id])
     kind, tli, options = DRAFTERS[args.drafter]
@@ -276,7 +294,7 @@ def main() -> None:
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
                          lr=args.lr, min_lr_ratio=args.min_lr_ratio, kl_weight=args.kl_weight,
                          anchor_min=args.anchors[0], anchor_max=args.anchors[1], warmup_steps=30,
-                         max_length=recipe.max_length,
+                         max_length=max_length,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
                          checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
                          precision=args.precision, seed=recipe.seed,
@@ -291,7 +309,7 @@ def main() -> None:
     cpu_budget = None if args.cpu_hours is None else 3600 * args.cpu_hours
     result = trainer.train(resume=resume, deadline=deadline, cpu_budget_s=cpu_budget)
     report = {"drafter": args.drafter, "started_from": started_from, "steps": result.steps,
-              "sequences": len(train), "batch": args.batch, "max_length": recipe.max_length,
+              "sequences": len(train), "batch": args.batch, "max_length": max_length, "long_data": args.long_data,
               "heldout_agreement_by_depth": result.eval_agreement, "wall_time_s_this_run": round(result.wall_time_s, 1),
               "train_cpu_seconds": round(trainer.train_cpu_seconds, 1),
               "provenance": code_state}
