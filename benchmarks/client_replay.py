@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 from pydantic import BaseModel
 
+from vllm_moa.decoding.tree import depths_from_parents
 from vllm_moa.serving.client import RemoteDraftingClient
 
 
@@ -197,10 +198,20 @@ def replay_users(url: str, recordings: list[Recording], users: int, timeout: flo
             "deliveries": [o.deliveries for o in outcomes]}
 
 
+def depth_of(body: dict) -> int:
+    """The drafted depth of a verify body's tree (0: the root alone)."""
+    return max(depths_from_parents(body["tree"]["parents"]))
+
+
 def describe(recordings: list[Recording]) -> dict:
-    """What the recorded clients did: rounds, tokens per round, drafting time per round."""
+    """What the recorded clients did: rounds, tokens per round, drafting time per round, and the
+    share of rounds whose draft was accepted to its full depth (only after such a round could a
+    next round drafted before its answer, on the assumption that all is accepted, be verified)."""
     rounds = [r for rec in recordings for r in rec.rounds]
+    drafted = [r for r in rounds if depth_of(r.body) > 0]
     return {"runs": len(recordings), "rounds": len(rounds),
+            "fully_accepted_share": round(sum(len(r.accepted) == depth_of(r.body) for r in drafted) / len(drafted), 3)
+            if drafted else None,
             "tokens_per_round": round(statistics.mean(len(r.accepted) + 1 for r in rounds), 3) if rounds else None,
             "drafted_nodes_per_round": round(statistics.mean(len(r.body["tree"]["tokens"]) - 1 for r in rounds), 3)
             if rounds else None,

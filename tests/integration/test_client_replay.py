@@ -7,7 +7,7 @@ import pytest
 from serving_utils import running_server, tiny_drafters
 from tiny_models import make_target
 
-from benchmarks.client_replay import gaps_of, record_run, replay_users
+from benchmarks.client_replay import Recording, Round, describe, gaps_of, record_run, replay_users
 from vllm_moa.decoding.chain import plain_greedy_generate
 from vllm_moa.serving.client import RemoteDraftingClient
 
@@ -42,3 +42,13 @@ def test_a_recorded_client_replays_with_the_answers_it_got_from_many_users():
 def test_gaps_spread_a_delivery_over_its_tokens_and_leave_out_the_first():
     assert gaps_of([(1.0, 1), (1.3, 3), (1.5, 1)]) == pytest.approx([0.1, 0.1, 0.1, 0.2])
     assert gaps_of([(1.0, 1)]) == []
+
+
+def test_the_share_of_rounds_accepted_to_their_full_depth():
+    chain = {"seq": 5, "tree": {"tokens": [1, 2, 3, 4], "parents": [-1, 0, 1, 2]}}
+    tree = {"seq": 9, "tree": {"tokens": [1, 2, 3, 4], "parents": [-1, 0, 0, 1]}}  # depth 2
+    alone = {"seq": 9, "tree": {"tokens": [1], "parents": [-1]}}  # nothing drafted: not counted
+    rounds = [Round(0.0, chain, [2, 3, 4], 7), Round(0.0, chain, [2], 7), Round(0.0, tree, [2, 4], 7),
+              Round(0.0, alone, [], 7)]
+    recording = Recording([1], 8, {}, 1, rounds, [])
+    assert describe([recording])["fully_accepted_share"] == round(2 / 3, 3)
