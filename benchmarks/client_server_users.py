@@ -152,15 +152,16 @@ def run_users(sim, server_pid: int, target, drafter, prompts: list, expected: li
     return summary, rows
 
 
-def plot_users(summary: dict, ax_rate, ax_tbt) -> None:
+def plot_users(summary: dict, ax_rate, ax_tbt, moa_label: str = "MoA clients (chain + lookup)",
+               rate_title: str = "tokens/s served, all users") -> None:
     """Served tokens/s and p50 time between tokens against the number of users."""
     counts = [int(key.split("=")[1]) for key in summary]
     rows = list(summary.values())
-    ax_rate.plot(counts, [r["served_tokens_per_s"] for r in rows], "o-", label="MoA clients (chain + lookup)")
+    ax_rate.plot(counts, [r["served_tokens_per_s"] for r in rows], "o-", label=moa_label)
     ax_rate.plot(counts, [r["api_tokens_per_s"] for r in rows], "s--", label="plain API streams")
     ax_tbt.plot(counts, [r["tbt_p50_ms"] for r in rows], "o-", label="MoA clients p50")
     ax_tbt.plot(counts, [r["api_tbt_p50_ms"] for r in rows], "s--", label="API streams p50")
-    for ax, title in ((ax_rate, "tokens/s served, all users"), (ax_tbt, "time between tokens (ms)")):
+    for ax, title in ((ax_rate, rate_title), (ax_tbt, "time between tokens (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts, [str(c) for c in counts])
         ax.set_xlabel("users at once")

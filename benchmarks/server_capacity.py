@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.client_replay import describe, record_run, replay_users
 from benchmarks.client_server import ROOT, free_port, start_server
-from benchmarks.client_server_users import near_tie_gap, run_user_group, server_cpu_seconds
+from benchmarks.client_server_users import near_tie_gap, plot_users, run_user_group, server_cpu_seconds
 from benchmarks.provenance import provenance
 from vllm_moa.chat import encode_prompt
 from vllm_moa.decoding.chain import plain_greedy_generate
@@ -122,23 +122,13 @@ def plot(summary: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = [int(key.split("=")[1]) for key in summary]
-    rows = list(summary.values())
     fig, (ax_rate, ax_tbt) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, passes, marker, label in (("served_tokens_per_s", "served_tokens_per_s_passes", "o-",
-                                        "MoA clients drafting elsewhere (replayed)"),
-                                       ("api_tokens_per_s", "api_tokens_per_s_passes", "s--", "plain API streams")):
-        line, = ax_rate.plot(counts, [r[key] for r in rows], marker, label=label)
-        for count, row in zip(counts, rows):
+    plot_users(summary, ax_rate, ax_tbt, moa_label="MoA clients drafting elsewhere (replayed)",
+               rate_title="tokens/s served, all users (dots: passes)")
+    counts = [int(key.split("=")[1]) for key in summary]
+    for line, passes in zip(ax_rate.get_lines(), ("served_tokens_per_s_passes", "api_tokens_per_s_passes")):
+        for count, row in zip(counts, summary.values()):
             ax_rate.scatter([count] * len(row[passes]), row[passes], s=8, color=line.get_color(), alpha=0.5)
-    ax_tbt.plot(counts, [r["tbt_p50_ms"] for r in rows], "o-", label="MoA clients p50")
-    ax_tbt.plot(counts, [r["api_tbt_p50_ms"] for r in rows], "s--", label="API streams p50")
-    for ax, name in ((ax_rate, "tokens/s served, all users (dots: passes)"), (ax_tbt, "time between tokens (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(counts, [str(c) for c in counts])
-        ax.set_xlabel("users at once")
-        ax.set_title(name, fontsize=9)
-        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
