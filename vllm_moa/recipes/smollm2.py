@@ -78,23 +78,26 @@ def save_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def engine_env(threads: str) -> dict[str, str]:
+def _engine_env(threads: str) -> dict[str, str]:
     """vLLM's CPU worker binds one core and reserves the rest unless told otherwise."""
     return {"VLLM_CPU_OMP_THREADS_BIND": threads, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def generate(target_dir: Path, prompts: list[list[int]], temperatures: list[float], max_tokens: int, seed: int,
-             vllm_python: str | None, threads: str, progress: bool) -> list[list[int]]:
-    """Continuations of `prompts` (stopping at EOS, which is kept) by vLLM's engine in a child
-    process when `vllm_python` is given, else by transformers' generate."""
+             vllm_python: str | None, threads: str, progress: bool, ignore_eos: bool = False,
+             kv_cache_gib: str | None = None) -> list[list[int]]:
+    """Continuations of `prompts` (stopping at EOS, which is kept, unless `ignore_eos`) by vLLM's
+    engine in a child process when `vllm_python` is given (its CPU KV cache `kv_cache_gib`, else
+    run_engine's), else by transformers' generate."""
     if vllm_python:
-        from vllm_moa.integration.serve.offline import EngineRun, run_engine
+        from vllm_moa.integration.serve.offline import CPU_KV_CACHE_ENV, EngineRun, run_engine
 
         run = EngineRun(target=str(target_dir), prompts=prompts, temperature=temperatures, max_tokens=max_tokens,
-                        seed=seed, ignore_eos=False,
+                        seed=seed, ignore_eos=ignore_eos,
                         engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 64,
                                 "enable_prefix_caching": True})
-        return run_engine(run, timeout=12 * 3600, env=engine_env(threads), python=vllm_python).passes[0].outputs
+        env = {**_engine_env(threads), **({CPU_KV_CACHE_ENV: kv_cache_gib} if kv_cache_gib else {})}
+        return run_engine(run, timeout=12 * 3600, env=env, python=vllm_python).passes[0].outputs
     from transformers import AutoModelForCausalLM
 
     from vllm_moa.training.data import regenerate_responses
@@ -103,7 +106,8 @@ def generate(target_dir: Path, prompts: list[list[int]], temperatures: list[floa
     outputs = []
     for prompt, temperature in zip(prompts, temperatures):  # one at a time: temperatures differ
         example = regenerate_responses(model, [prompt], max_tokens, (temperature,), seed + len(outputs),
-                                       eos_token_id=model.generation_config.eos_token_id, progress=False)
+                                       eos_token_id=None if ignore_eos else model.generation_config.eos_token_id,
+                                       progress=False)
         outputs.append(list(example[0].input_ids[len(prompt):]) if example else [])
     return outputs
 

@@ -276,8 +276,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in entry.items() if k != "provenance"}, indent=2))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    features = build_feature_cache(target, train, args.work / (f"features-{len(train)}" + (
-                                       f"-{max_length}" if max_length != recipe.max_length else "")), max_length,
+    features_dir = args.work / (f"features-{len(train)}" + ("-long" if args.long_data else "")
+                                + (f"-{max_length}" if max_length != recipe.max_length else ""))
+    features = build_feature_cache(target, train, features_dir, max_length,
                                    tli_depths=(1,), progress=not args.no_progress)
     vocab = draft_vocabulary(train, recipe.draft_vocab_size, target.vocab_size, [tokenizer.eos_token_id])
     kind, tli, options = DRAFTERS[args.drafter]

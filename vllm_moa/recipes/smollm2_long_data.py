@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_moa.recipes.smollm2 import SmolRecipe, engine_env
+from vllm_moa.recipes.smollm2 import SmolRecipe, generate
 from vllm_moa.recipes.smollm2_long import LONG_DATASET, load_dataset, save_dataset
 from vllm_moa.training.data import DraftExample
 
@@ -54,18 +54,13 @@ def temperatures(count: int, heldout: int) -> list[float]:
 def build(sequences: int, heldout: int, tokens: int, vllm_python: str, threads: str,
           path: Path = LONG_DATASET) -> dict:
     """Generate and store the long dataset; returns what was done."""
-    from vllm_moa.integration.serve.offline import CPU_KV_CACHE_ENV, EngineRun, run_engine
     from vllm_moa.targets import fetch_smollm2
 
     train, held = load_dataset()
     prompts = distinct_prompts(train, sequences) + distinct_prompts(held, heldout)
     started = time.time()
-    run = EngineRun(target=str(fetch_smollm2()), prompts=prompts, temperature=temperatures(sequences, heldout),
-                    max_tokens=tokens, seed=SmolRecipe().seed + 64, ignore_eos=True,
-                    engine={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 64,
-                            "enable_prefix_caching": True})
-    outputs = run_engine(run, timeout=6 * 3600, env={**engine_env(threads), CPU_KV_CACHE_ENV: KV_CACHE_GIB},
-                         python=vllm_python).passes[0].outputs
+    outputs = generate(fetch_smollm2(), prompts, temperatures(sequences, heldout), tokens, SmolRecipe().seed + 64,
+                       vllm_python, threads, progress=False, ignore_eos=True, kv_cache_gib=KV_CACHE_GIB)
     examples = [DraftExample(tuple(prompt + list(out)), len(prompt)) for prompt, out in zip(prompts, outputs)]
     size = save_dataset(examples[:sequences], examples[sequences:], path)
     return {"train_sequences": sequences, "heldout_sequences": heldout, "new_tokens": tokens,
