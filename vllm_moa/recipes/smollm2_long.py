@@ -51,12 +51,19 @@ from vllm_moa.recipes.smollm2 import (
     provenance,
     write_fp16,
 )
-from vllm_moa.training.data import DraftExample, examples_from_json, examples_to_json, global_batch_indices
+from vllm_moa.training.data import (
+    DraftExample,
+    examples_from_json,
+    examples_to_json,
+    global_batch_indices,
+    sequence_repeats,
+)
 
 DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
 # long on-policy sequences (smollm2_long_data.py), for --long-data
 LONG_DATASET = Path(__file__).with_name("data") / "smollm2_long_responses.json.gz"
 LONG_MAX_LENGTH = 1280  # a prompt and 1,024 new tokens
+SHORT_LENGTH = 320  # the longest sequence the shipped drafters trained on: what --short-repeats weights up
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 DEFAULT_WORK = envs.VLLM_MOA_CACHE / "runs" / "smollm2-long"
 
@@ -137,10 +144,13 @@ def _held_out_evaluation(drafter_dir: Path, name: str, target, held: list[DraftE
 
 def run_tokens(train: list[DraftExample], config: dict, steps: int) -> int:
     """The target tokens a run of `config` (a checkpoint's TrainConfig dump) trained on in its first
-    `steps` steps: exact, since the data order is a function of (seed, step)."""
+    `steps` steps: exact, since the data order is a function of (seed, step) (and of the short
+    sequences' repeats, for runs that set them)."""
+    repeats = sequence_repeats(train, config["max_length"], config.get("short_length", SHORT_LENGTH),
+                               config.get("short_repeats", 1))
     return sum(min(len(train[i].input_ids), config["max_length"])
                for step in range(steps)
-               for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"]))
+               for i in global_batch_indices(len(train), config["batch_size"], step, config["seed"], repeats))
 
 
 def shipped_earlier(checkpoint: Path, runs: list[dict]) -> dict | None:
@@ -232,6 +242,9 @@ def main() -> None:
                         help="also train on the long on-policy sequences (smollm2_long_data.py; its own run directory)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="tokens of a sequence trained on (default: the recipe's 256, 1,280 with --long-data)")
+    parser.add_argument("--short-repeats", type=int, default=1,
+                        help="with --long-data: an epoch draws each short sequence (<= the recipe's 320 tokens) this "
+                             "many times, so that the long ones do not outweigh them (its own run directory)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--ship", action="store_true", help="ship the newest checkpoint (or --checkpoint), no training")
@@ -268,7 +281,8 @@ def main() -> None:
                 + ("-hidden" if args.final_hidden_rows else "")
                 + (f"-kl{args.kl_weight:g}" if args.kl_weight != DEFAULT_KL_WEIGHT else "")
                 + (f"-anchors{args.anchors[0]}-{args.anchors[1]}" if tuple(args.anchors) != DEFAULT_ANCHORS else "")
-                + (f"-long{max_length}" if args.long_data or max_length != recipe.max_length else ""))
+                + (f"-long{max_length}" if args.long_data or max_length != recipe.max_length else "")
+                + (f"-short{args.short_repeats}" if args.short_repeats != 1 else ""))
     if args.ship:
         checkpoints = args.work / run_name / "checkpoints"
         checkpoint = args.checkpoint or checkpoints / (checkpoints / "latest").read_text().strip()
@@ -295,7 +309,7 @@ def main() -> None:
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
                          lr=args.lr, min_lr_ratio=args.min_lr_ratio, kl_weight=args.kl_weight,
                          anchor_min=args.anchors[0], anchor_max=args.anchors[1], warmup_steps=30,
-                         max_length=max_length,
+                         max_length=max_length, short_repeats=args.short_repeats, short_length=SHORT_LENGTH,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
                          checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
                          precision=args.precision, seed=recipe.seed,

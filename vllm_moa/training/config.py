@@ -35,6 +35,11 @@ class TrainConfig(BaseModel):
     feature_weight: float = Field(1.0, ge=0, description="Weight of the SmoothL1 feature loss.")
     anchor_min: int = Field(6, ge=1, description="Minimum anchor spacing (K-step bound) in the response.")
     anchor_max: int = Field(14, ge=1, description="Maximum anchor spacing (drawn uniformly per sample).")
+    short_repeats: int = Field(1, ge=1, description="An epoch draws each training sequence of at most short_length "
+                                                    "tokens this many times (longer ones once): weights short "
+                                                    "answers up when long ones join the data.")
+    short_length: int = Field(320, ge=1, description="Longest sequence (tokens, after max_length) that short_repeats "
+                                                     "counts as short.")
     staircase: bool = Field(True, description="Staircase SA mask curriculum early in training.")
     staircase_until: float = Field(0.5, ge=0, le=1, description="Share of training at which the staircase "
                                                                 "probability reaches 0.")

@@ -189,23 +189,38 @@ def collate(examples: Sequence[DraftExample], pad_id: int = 0, max_length: int |
 
 
 @functools.lru_cache(maxsize=4)
-def _epoch_order(num_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+def _epoch_order(num_examples: int, seed: int, epoch: int, repeats: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The seeded permutation of one epoch (shuffled once, not at every step: 40k examples take
-    ~20 ms of Python to shuffle)."""
-    order = list(range(num_examples))
+    ~20 ms of Python to shuffle); with `repeats`, example i appears repeats[i] times in it."""
+    order = list(range(num_examples)) if repeats is None else [i for i, n in enumerate(repeats) for _ in range(n)]
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     return tuple(order)
 
 
-def global_batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
+def global_batch_indices(num_examples: int, batch_size: int, step: int, seed: int,
+                         repeats: tuple[int, ...] | None = None) -> list[int]:
     """The example indices of global step `step`: epochs of seeded permutations, so that any
-    number of workers, each taking a contiguous share, sees the same global batch."""
-    per_epoch = max(1, num_examples // batch_size) if num_examples >= batch_size else 1
+    number of workers, each taking a contiguous share, sees the same global batch. `repeats`
+    (one count per example, see `sequence_repeats`): an epoch draws example i repeats[i] times."""
+    if repeats is not None and len(repeats) != num_examples:
+        raise ValueError(f"repeats has {len(repeats)} counts for {num_examples} examples")
+    drawn = num_examples if repeats is None else sum(repeats)
+    per_epoch = max(1, drawn // batch_size) if drawn >= batch_size else 1
     epoch, offset = divmod(step, per_epoch)
-    order = _epoch_order(num_examples, seed, epoch)
-    if num_examples >= batch_size:
+    order = _epoch_order(num_examples, seed, epoch, repeats)
+    if drawn >= batch_size:
         return list(order[offset * batch_size : (offset + 1) * batch_size])
-    return [order[i % num_examples] for i in range(batch_size)]
+    return [order[i % drawn] for i in range(batch_size)]
+
+
+def sequence_repeats(examples: Sequence[DraftExample], max_length: int, short_length: int,
+                     short_repeats: int) -> tuple[int, ...] | None:
+    """How many times an epoch draws each example: `short_repeats` for sequences of at most
+    `short_length` tokens (as trained: cut at max_length), once for longer ones; None when every
+    count is 1 (the plain permutation, so runs without the option keep their data order)."""
+    if short_repeats == 1:
+        return None
+    return tuple(short_repeats if min(len(e.input_ids), max_length) <= short_length else 1 for e in examples)
 
 
 def split_examples(examples: Sequence[DraftExample], holdout_fraction: float, seed: int) -> tuple[list, list]:

@@ -45,6 +45,7 @@ from vllm_moa.training.data import (
     TrainingBatch,
     collate,
     global_batch_indices,
+    sequence_repeats,
     validate_examples,
 )
 from vllm_moa.training.features import FeatureCache
@@ -170,6 +171,8 @@ class Trainer:
         self.config = config
         self.target = target
         self.train_examples = list(train_examples)
+        self.repeats = sequence_repeats(self.train_examples, config.max_length, config.short_length,
+                                        config.short_repeats)
         self.eval_examples = list(eval_examples)
         self.rank, self.world_size = rank, world_size
         self.device = resolve_device(config.device)
@@ -218,7 +221,8 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
     def _local_indices(self, step: int) -> list[int]:
-        indices = global_batch_indices(len(self.train_examples), self.config.batch_size, step, self.config.seed)
+        indices = global_batch_indices(len(self.train_examples), self.config.batch_size, step, self.config.seed,
+                                       self.repeats)
         share = self.config.batch_size // self.world_size
         return indices[self.rank * share : (self.rank + 1) * share]
 
