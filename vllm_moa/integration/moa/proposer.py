@@ -257,7 +257,8 @@ class MoAProposer(DraftModelProposer):
             self._first_pass_metadata = per_layer  # tree levels read SA's block table from it
         draft_attention.set_ca_and_tli_metadata(
             per_layer, common_attn_metadata, draft_index, self._num_rejected, self.draft_attn_groups,
-            self._ca_layer_names, self._tli_layer_names, self._draft_attn_layer_names)
+            self._ca_layer_names, self._tli_layer_names, self._draft_attn_layer_names,
+            self.moa_model().config.attention_window)
         return per_group, per_layer
 
     def _get_slot_mapping(self, num_tokens: int, slot_mapping: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -3,7 +3,9 @@ draft loop: the same SA and CA blocks as the paged forward (draft_model.MoASelfA
 MoACrossAttention's project / queries / finish), with the attention between them a dense masked
 one over K/V gathered from the paged caches once per step (`tree_context`): a tree level's nodes
 see their request's prefix and their own ancestors, a mask vLLM's paged attention cannot take.
-TLI = 0 drafters (draft_config refuses trees for TLI > 0).
+With the drafter's attention window W, SA's prefix is read from position root - W + 1 on and a
+node at position p sees the prefix positions after p - W; CA reads the last W rows (as the
+paged forward and models/masks.py do). TLI = 0 drafters (draft_config refuses trees for TLI > 0).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ class TreeContext:
     """A step's tree drafting state, per request b: SA's cached prefix K/V, CA's row K/V, and the
     SA K/V of the tree nodes fed so far (None before the first level); each [n, H_kv, d]."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
+        self.window = window  # the drafter's attention_window (0: none)
         self.sa: list[tuple[Tensor, Tensor]] = []
+        self.sa_start: list[int] = []  # the position of each request's first SA prefix entry
         self.ca: list[tuple[Tensor, Tensor]] = []
         self.fed: list[tuple[Tensor, Tensor] | None] = []
 
@@ -36,12 +40,16 @@ def tree_context(model, layout: Callable, block_table: Tensor, root_positions: l
     drafter's layers' kernel block table."""
     sa_cache, ca_cache = model.model.sa.attn.kv_cache, model.model.ca.attn.kv_cache
     block_size = split_kv_cache(sa_cache, layout)[0].shape[1]
-    context = TreeContext()
+    window = model.config.attention_window
+    context = TreeContext(window)
     for b, root in enumerate(root_positions):
-        positions = torch.arange(root + 1, device=block_table.device)
-        slots = paged_slots(block_table[b], positions, block_size)  # [root + 1]
+        start = max(0, root - window + 1) if window else 0  # a node at root + k >= root + 1 reads no older
+        positions = torch.arange(start, root + 1, device=block_table.device)
+        slots = paged_slots(block_table[b], positions, block_size)  # [root + 1 - start]
         context.sa.append(gather_slots(sa_cache, slots, layout))
-        context.ca.append(gather_slots(ca_cache, slots[:root], layout))
+        context.sa_start.append(start)
+        rows = torch.arange(max(0, root - window) if window else 0, root, device=block_table.device)  # CA: the last W
+        context.ca.append(gather_slots(ca_cache, paged_slots(block_table[b], rows, block_size), layout))
         context.fed.append(None)
     return context
 
@@ -68,7 +76,11 @@ def tree_level(model, context: TreeContext, input_ids: Tensor, positions: Tensor
         fed = (torch.cat([fed[0], k[rows]]), torch.cat([fed[1], v[rows]]))
         context.fed[b] = fed
         prefix_k, prefix_v = context.sa[b]
-        mask = torch.cat([visible.new_ones(visible.shape[0], prefix_k.shape[0]), visible], dim=1)
+        prefix = visible.new_ones(visible.shape[0], prefix_k.shape[0])
+        if context.window:  # prefix position j is read by a node at position p if j > p - W
+            j = context.sa_start[b] + torch.arange(prefix_k.shape[0], device=positions.device)
+            prefix = j[None, :] > positions[rows][:, None] - context.window
+        mask = torch.cat([prefix, visible], dim=1)
         mask[:, prefix_k.shape[0]] = False  # the root's placeholder: the root is in the prefix
         attended[rows] = _attention(q[rows], torch.cat([prefix_k, fed[0]]), torch.cat([prefix_v, fed[1]]), mask)
     hidden = sa.finish(hidden, attended.view(attended.shape[0], -1))

@@ -100,11 +100,6 @@ def check_moa_drafter(
 
     check_parallel_setup(config, target_hf_config, tensor_parallel_size, pipeline_parallel_size,
                          draft_tensor_parallel_size)
-    if config.attention_window:
-        raise UnsupportedMoASetup(
-            f"the drafter's attention_window={config.attention_window}: vLLM's MoA proposer reads every "
-            "verified row (the window runs in the transformers runtime and the client-server client); "
-            "serve a copy of the drafter whose config.json sets attention_window to 0")
     try:  # read again by the worker (integration/moa/draft_model.py): refused here, before any engine starts
         check_drafter_weights(envs.VLLM_MOA_DRAFTER_WEIGHTS, "VLLM_MOA_DRAFTER_WEIGHTS")
         tp_options()

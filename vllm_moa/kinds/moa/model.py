@@ -34,7 +34,13 @@ from vllm_moa.layers import (
     causal_mask_after,
 )
 from vllm_moa.models.base import Drafter, DraftOutput, TrainingBatchView
-from vllm_moa.models.masks import cross_attention_mask, self_attention_mask, target_layers_mask, within_window
+from vllm_moa.models.masks import (
+    cross_attention_mask,
+    self_attention_mask,
+    target_layers_mask,
+    within_last_rows,
+    within_window,
+)
 from vllm_moa.packed_linear import Linear
 from vllm_moa.target import TargetKVCache, TargetModel, TargetOutput, stack_layer_kv
 
@@ -225,12 +231,12 @@ class MoADrafter(Drafter):
         (draft_step) and batched drafting (batched.py) differ only in the masks and caches they
         pass. The vLLM-native drafter (integration/moa/draft_model.py) keeps its own copy: vLLM's
         layers own the paged KV, the compiled graph and the tensor-parallel split (pinned to this
-        one by tests/integration/vllm/test_vllm_model.py). With an attention window both masks are
-        narrowed to the last W positions here (models/masks.within_window), for every mode at once."""
+        one by tests/integration/vllm/test_vllm_model.py). With an attention window SA reads the
+        last W positions and CA the last W rows it may read (models/masks), for every mode at once."""
         if self.attention_window:
             num_sa_keys = (0 if sa_cache is None else sa_cache.length) + embeds.shape[1]
             sa_mask = within_window(sa_mask, positions, num_sa_keys, self.attention_window)
-            ca_mask = within_window(ca_mask, positions, row_k.shape[2], self.attention_window)
+            ca_mask = within_last_rows(ca_mask, row_k.shape[2], self.attention_window, row_k.device)
         hidden = self.sa(embeds, positions, sa_mask, sa_cache)
         return self._head(self.ca(hidden, positions, row_k, row_v, ca_mask))
 
