@@ -3,6 +3,7 @@
     python -m benchmarks.long_generation_acceptance --specbench ../shared/data/specbench \
         [--categories writing humanities] [--num-prompts 8] [--max-new-tokens 1536] [--bin 128] \
         [--windows 256] [--no-lookup]
+    python -m benchmarks.long_generation_acceptance ... --set sum --categories summarization   # long prompts
 
 Drafters' acceptance is reported to decay over a few thousand output tokens (DFlash, EAGLE-3,
 PARD); MoA reads the target's own KV cache at every layer, so it may hold up better. Both shipped
@@ -91,6 +92,7 @@ def acceptance_by_bin(results: list[GenerationResult], bin_size: int, ends: list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--specbench", type=Path, required=True, help="folder with mt_bench/question.jsonl")
+    parser.add_argument("--set", default="mt_bench", help="the Spec-Bench set (a folder with question.jsonl)")
     parser.add_argument("--categories", nargs="+", default=["writing", "humanities"])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=1536)
@@ -111,7 +113,7 @@ def main() -> None:
     folder = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     target = TargetModel.from_pretrained(folder)
-    texts = read_questions(args.specbench / "mt_bench" / "question.jsonl", args.categories, args.num_prompts)
+    texts = read_questions(args.specbench / args.set / "question.jsonl", args.categories, args.num_prompts)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
     drafters = {Path(n).name: load_drafter(drafter_path(n), target).eval() for n in args.drafters}
     for n in [n for n in args.drafters if hasattr(drafters[Path(n).name], "attention_window")]:
@@ -145,7 +147,7 @@ def main() -> None:
               f"{[b['acceptance_length'] for b in rows[-1]['by_position']]}", flush=True)
     report = {
         "benchmark": "long_generation_acceptance", "target": "SmolLM2-135M-Instruct (vllm-moa fetch smollm2, fp32)",
-        "prompts": {"set": "Spec-Bench mt_bench, first turn", "categories": args.categories,
+        "prompts": {"set": f"Spec-Bench {args.set}, first turn", "categories": args.categories,
                     "count": len(prompts), "prompt_tokens": [len(p) for p in prompts]},
         "max_new_tokens": args.max_new_tokens, "bin_tokens": args.bin,
         "decoding": "greedy, the end-of-turn token does not stop generation; every output checked equal to plain "
@@ -155,7 +157,8 @@ def main() -> None:
         "drafters": {n: str(Path(n) if Path(n).is_dir() else drafter_path(n).relative_to(ROOT)) for n in args.drafters},
         "attention_windows": {"windows": args.windows,
                               "meaning": "'<drafter> W=<w>': the same drafter with attention_window = w set after "
-                                         "loading (SA and CA read the last w positions; trained without a window)"},
+                                         "loading (SA reads the last w positions, CA the last w rows; trained "
+                                         "without a window)"},
         "rows": rows, "wall_time_s": round(time.time() - started, 1),
         "provenance": origin,
     }

@@ -13,6 +13,7 @@ vLLM's own engine and counters.
     python -m benchmarks.vllm_cpu_engine ... --per-batch-size ... --every-pass   # + the same, drafter run at K = 0
     python -m benchmarks.vllm_cpu_engine ... --repeats 16=3   # three passes at concurrency 16 (median)
     python -m benchmarks.vllm_cpu_engine --target smollm2 --defaults --ks --ngram-k 0   # {"method": "moa"} alone
+    python -m benchmarks.vllm_cpu_engine ... --windows 256   # + each MoA chain and tree with attention_window 256
 
 Run it with the Python of a vllm-cpu environment (plus matplotlib). SmolLM2 is fetched with
 `vllm-moa fetch smollm2` first (the conversion needs the main environment's gguf + accelerate).
@@ -30,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -83,7 +86,8 @@ def load_prompts(target: Path, prompts_file: Path | None, count: int, prompt_tok
 def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None, tli1_k: int,
             trees: list[tuple[int, int, int]] = (), retrieval: dict | None = None,
             per_batch_size: list[list[int]] | None = None, every_pass: bool = False,
-            chain_if_faster: bool = False, defaults: bool = False) -> dict[str, dict | None]:
+            chain_if_faster: bool = False, defaults: bool = False,
+            windows: dict[int, Path] | None = None) -> dict[str, dict | None]:
     """Engine configurations by name. Each tree (depth, top_k, budget) comes with the chain of the
     same node budget (num_speculative_tokens = budget either way); with `retrieval` (moa_retrieval's
     options), every MoA chain and tree also runs as a "hybrid" one; with `per_batch_size` (vLLM's
@@ -94,8 +98,10 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
     `chain_if_faster`, every tree also runs with moa_tree.chain_if_faster (each step the tree or
     the chain of its budget, whichever measures faster: "..., chain if faster"); with `defaults`,
     `{"method": "moa"}` as a user writes it, every other option left to the plugin ("moa
-    (defaults)": the drafter shipped for the target, K = 4, lookup, K by measured speed). The other
-    MoA rows turn lookup and K by measured speed off unless they ask for them (MOA_ALONE)."""
+    (defaults)": the drafter shipped for the target, K = 4, lookup, K by measured speed); with
+    `windows` ({W: a copy of the drafter whose config sets attention_window = W}), every MoA chain
+    and tree also runs with that copy (", window W"). The other MoA rows turn lookup and K by
+    measured speed off unless they ask for them (MOA_ALONE)."""
     out: dict[str, dict | None] = {"none": None}
     if defaults:
         out["moa (defaults)"] = {"method": "moa"}
@@ -113,6 +119,10 @@ def methods(drafter: Path | None, ks: list[int], ngram_k: int, tli1: Path | None
                 out[f"moa tree {depth},{top_k},{budget}, chain if faster"] = {
                     "method": "moa", "model": str(drafter), "num_speculative_tokens": budget, "moa_retrieval": False,
                     "moa_tree": {"depth": depth, "top_k": top_k, "chain_if_faster": True}}
+        for window, copy in (windows or {}).items():
+            out.update({f"{name}, window {window}": {**config, "model": str(copy)}
+                        for name, config in list(out.items()) if name.startswith("moa ") and "model" in config
+                        and ", window" not in name})
         if retrieval is not None:
             out.update({f"hybrid {name.removeprefix('moa ')}": {**config, "moa_retrieval": retrieval}
                         for name, config in list(out.items()) if name.startswith("moa ") and "model" in config})
@@ -137,6 +147,19 @@ EVERY_PASS = ", every pass"  # a method run with VLLM_MOA_CATCH_UP=0
 def method_env(method: str) -> dict[str, str]:
     """The environment variables a method's engine runs with beyond the benchmark's own."""
     return {"VLLM_MOA_CATCH_UP": "0"} if method.endswith(EVERY_PASS) else {}
+
+
+def windowed_copies(drafter: Path, windows: list[int], root: Path) -> dict[int, Path]:
+    """{W: a copy of `drafter` in root whose config.json sets attention_window = W} (the weights
+    copied as they are: no weight depends on the window)."""
+    copies = {}
+    for window in windows:
+        copy = root / f"window{window}" / drafter.name
+        shutil.copytree(drafter, copy, dirs_exist_ok=True)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "attention_window": window}, indent=2))
+        copies[window] = copy
+    return copies
 
 
 def _repeats(text: str) -> tuple[int, int]:
@@ -189,6 +212,8 @@ def main() -> None:
     parser.add_argument("--threads", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: vLLM's: one core)")
     parser.add_argument("--drafter-weights", default=os.environ.get("VLLM_MOA_DRAFTER_WEIGHTS") or "fp32",
                         help="VLLM_MOA_DRAFTER_WEIGHTS of the MoA engines: fp32 | bf16 | int8 | auto (recorded in config)")
+    parser.add_argument("--windows", type=int, nargs="*", default=[],
+                        help="every MoA chain and tree also runs with attention_window W (a copy of the drafter)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -207,8 +232,12 @@ def main() -> None:
     repeats = dict(args.repeats)
     passes = [c for c in args.concurrency for _ in range(repeats.get(c, 1))]
     rows, reference = [], None
+    if args.windows and drafter is None:
+        parser.error("--windows needs a MoA drafter (--drafter)")
+    copies = windowed_copies(drafter, args.windows, Path(tempfile.mkdtemp(prefix="moa-windows-"))) \
+        if args.windows else None
     configs = methods(drafter, args.ks, args.ngram_k, tli1, args.tli1_k, args.trees, args.retrieval,
-                      args.per_batch_size, args.every_pass, args.chain_if_faster, args.defaults)
+                      args.per_batch_size, args.every_pass, args.chain_if_faster, args.defaults, copies)
     for method, config in tqdm(configs.items(), desc="engines", file=sys.stderr):
         run = EngineRun(target=str(target), speculative_config=config, prompts=prompts, max_tokens=args.max_tokens,
                         passes=[0, *passes], engine={"dtype": "float32", "max_model_len": 2048,
