@@ -276,8 +276,14 @@ def run(work: Path, recipe: SmolRecipe, vllm_python: str | None = None, threads:
     return report
 
 
+# MoA drafters ship reading the last 256 positions / rows (config attention_window, docs/method.md):
+# no change below 256 tokens, kept acceptance on long answers and long prompts (docs/results.md)
+SHIPPED_ATTENTION_WINDOWS = {"moa-tli0": 256, "moa-tli1": 256}
+
+
 def write_fp16(src: Path, dst: Path) -> None:
-    """A drafter directory (config.json + model.safetensors) copied with its float weights in fp16."""
+    """A drafter directory (config.json + model.safetensors) copied with its float weights in fp16;
+    a drafter shipped as one of SHIPPED_ATTENTION_WINDOWS gets that window unless it has its own."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -287,6 +293,10 @@ def write_fp16(src: Path, dst: Path) -> None:
                for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(src / "config.json", dst / "config.json")
+    config = json.loads((dst / "config.json").read_text())
+    if dst.name in SHIPPED_ATTENTION_WINDOWS and not config.get("attention_window"):
+        config["attention_window"] = SHIPPED_ATTENTION_WINDOWS[dst.name]
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if read_drafter_config(dst).SPECULATORS_ALGORITHM:  # `vllm serve <shipped drafter>`: SmolLM2 from the cache
         write_speculators_config(dst, SMOLLM2_135M_INSTRUCT.folder_name)
 
