@@ -103,13 +103,15 @@ convert_gguf_to_hf as c; c(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2.gguf
 test)
     # on the GPU: the plugin's Python-level tests, the Triton kernels against their twins, and draft
     # trees through vLLM's engine (the demo target, eager: greedy identity with plain vLLM on a GPU
-    # backend), within TEST_SECONDS
+    # backend), then the attention window (the backend's sliding window, acceptance against the
+    # runtime's; last, since the shipped SmolLM2 drafter reads through it), within TEST_SECONDS
     export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
     mkdir -p "$RESULTS"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS/check.log"
     timeout "${TEST_SECONDS:-200}" "$PY" -m pytest -q -p no:cacheprovider -rfs tests/unit/kernels \
         tests/integration/vllm/test_vllm_patches.py tests/integration/vllm/test_vllm_model.py \
-        tests/integration/vllm/test_vllm_tree.py 2>&1 | tail -40 > "$RESULTS/pytest_gpu.txt" || true
+        tests/integration/vllm/test_vllm_tree.py tests/integration/vllm/test_vllm_window.py 2>&1 \
+        | tail -40 > "$RESULTS/pytest_gpu.txt" || true
     tail -3 "$RESULTS/pytest_gpu.txt"
     ;;
 bench)
