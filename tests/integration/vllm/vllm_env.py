@@ -118,6 +118,21 @@ def runtime_acceptance(k: int, drafter_dir: str | None = None, tree: tuple[int, 
     return summarize(results, 1.0, k)["acceptance_length"]
 
 
+@cache
+def windowed_drafter(window: int = 32) -> str:
+    """The demo MoA TLI=0 drafter with attention_window = `window` in its config.json (no weight
+    depends on it): on the prompts here (24-204 tokens) SA and CA read only their last 32
+    positions / rows."""
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="moa-window-")) / "moa-tli0"
+    shutil.copytree(DRAFTER, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "attention_window": window}))
+    return str(directory)
+
+
 def first_difference(got, want) -> int:
     """The first index where two token lists differ (the shorter's length if one extends the other)."""
     return next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

@@ -43,13 +43,14 @@ def tree_context(model, layout: Callable, block_table: Tensor, root_positions: l
     window = model.config.attention_window
     context = TreeContext(window)
     for b, root in enumerate(root_positions):
-        start = max(0, root - window + 1) if window else 0  # a node at root + k >= root + 1 reads no older
-        positions = torch.arange(start, root + 1, device=block_table.device)
-        slots = paged_slots(block_table[b], positions, block_size)  # [root + 1 - start]
-        context.sa.append(gather_slots(sa_cache, slots, layout))
+        # CA reads rows first..root-1 (the last W), SA positions first+1..root with a window (a node
+        # at root + k >= root + 1 reads no older), 0..root without
+        first = max(0, root - window) if window else 0
+        slots = paged_slots(block_table[b], torch.arange(first, root + 1, device=block_table.device), block_size)
+        start = first + 1 if window and root >= window else first
+        context.sa.append(gather_slots(sa_cache, slots[start - first:], layout))
         context.sa_start.append(start)
-        rows = torch.arange(max(0, root - window) if window else 0, root, device=block_table.device)  # CA: the last W
-        context.ca.append(gather_slots(ca_cache, paged_slots(block_table[b], rows, block_size), layout))
+        context.ca.append(gather_slots(ca_cache, slots[:-1], layout))
         context.fed.append(None)
     return context
 
