@@ -67,16 +67,18 @@ RTTS = (10, 50, 200)
 BANDWIDTHS = (1, 10, 100)
 SLOW_STEP_MS = 30.0  # the emulated larger target's forward time
 SLOW_CLIENTS = ("moa", "eagle", "independent", "api")
-CLIENTS = {  # name -> (drafter, sync encoding, tree width: EAGLE-2-style trees, or None: chains, lookup)
-    "moa": ("moa-tli0", "fp16", 4, False),
-    "moa-int8": ("moa-tli0", "int8", 4, False),
-    "moa-chain": ("moa-tli0", "fp16", None, False),
-    "moa-chain+lookup": ("moa-tli0", "fp16", None, True),  # the client's default
-    "eagle": ("eagle", "fp16", 4, False),
-    "independent": ("independent", "fp16", 4, False),
-    "api": (None, "fp16", None, False),
+CLIENTS = {  # name -> (drafter, sync encoding, tree width: EAGLE-2-style trees, or None: chains, lookup,
+    #           rounds in flight at most: 2 pipelines a chain's next round (the client's default), 1 waits)
+    "moa": ("moa-tli0", "fp16", 4, False, 2),
+    "moa-int8": ("moa-tli0", "int8", 4, False, 2),
+    "moa-chain": ("moa-tli0", "fp16", None, False, 2),
+    "moa-chain+lookup": ("moa-tli0", "fp16", None, True, 2),  # the client's default
+    "moa-chain+lookup-waits": ("moa-tli0", "fp16", None, True, 1),  # the default without pipelined rounds
+    "eagle": ("eagle", "fp16", 4, False, 2),
+    "independent": ("independent", "fp16", 4, False, 2),
+    "api": (None, "fp16", None, False, 1),
 }
-VLLM_CLIENTS = ("moa", "moa-chain", "moa-chain+lookup", "eagle", "api")
+VLLM_CLIENTS = ("moa", "moa-chain", "moa-chain+lookup", "moa-chain+lookup-waits", "eagle", "api")
 VLLM_RTTS = (10, 50)
 VLLM_ENGINE = {"max_model_len": 1024, "block_size": 32}  # CPU_ATTN: blocks of a multiple of 32
 OFFLINE_DRAFTERS = ("moa-tli0", "moa-tli1", "eagle", "independent", "ngram")
@@ -137,11 +139,11 @@ def run_latency(sim, target, drafters, prompts, expected, tokens, clients=tuple(
     grid = [(rtt, bw, name, i) for rtt in rtts for bw in bandwidths for name in clients for i in range(len(prompts))]
     for rtt, bw, name, i in tqdm(grid, desc=f"latency grid ({server} target)", unit="run"):
         sim.set_conditions(LinkConditions(rtt_ms=rtt, bandwidth_mbit=bw))
-        kind, encoding, width, lookup = CLIENTS[name]
+        kind, encoding, width, lookup, pipeline = CLIENTS[name]
         drafter = None if kind is None else drafters[kind]
         before = sim.snapshot()
         with RemoteDraftingClient(sim.url, drafter, target, encoding=encoding, tree_top_k=width, timeout=30,
-                                  lookup=lookup) as client:
+                                  lookup=lookup, pipeline=pipeline) as client:
             result = client.generate(prompts[i], tokens)
         after = sim.snapshot()
         if result.token_ids != expected[i]:
@@ -157,6 +159,7 @@ def run_latency(sim, target, drafters, prompts, expected, tokens, clients=tuple(
             "bytes_per_token": wire / n, "acceptance_length": result.acceptance_length if kind else None,
             "mean_depth": statistics.mean(result.drafted_per_verify) if result.drafted_per_verify else None,
             "shape_rounds": result.shape_rounds,  # fresh rounds by shape: a tree client picks tree or chain
+            "pipelined_rounds": result.pipelined_rounds, "pipelined_verified": result.pipelined_verified,
             "server_ms_per_token": 1e3 * result.server_seconds / n,
             "client_draft_ms_per_token": 1e3 * result.draft_seconds / n,
         })
@@ -261,6 +264,8 @@ def _stats(sel: list[dict]) -> dict:
         if sel[0]["acceptance_length"] is not None else None,
         "mean_depth": round(statistics.mean(r["mean_depth"] for r in sel), 2)
         if sel[0]["mean_depth"] is not None else None,
+        "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in sel),
+        "pipelined_verified": sum(r.get("pipelined_verified", 0) for r in sel),
     }
 
 
@@ -280,7 +285,7 @@ def plot(summary: dict, path: Path) -> None:
             for bw, style in zip(bandwidths, (":", "--", "-")[-len(bandwidths):]):
                 keys = [f"{name}/rtt={rtt}ms/bw={bw}Mbit" for rtt in RTTS]
                 if all(k in lat for k in keys):
-                    ax.plot(RTTS, [lat[k]["ms_per_token"] for k in keys], style, marker="o", color=colors[name],
+                    ax.plot(RTTS, [lat[k]["ms_per_token"] for k in keys], style, marker="o", color=colors.get(name),
                             label=f"{name} {bw} Mbit/s")
         ax.set(xscale="log", yscale="log", xlabel="RTT (ms)", ylabel="end-to-end ms per token (median)", title=title)
         ax.set_xticks(RTTS, [str(r) for r in RTTS])
@@ -291,7 +296,7 @@ def plot(summary: dict, path: Path) -> None:
         width = 0.8 / len(CLIENTS)
         for j, name in enumerate(CLIENTS):
             ys = [lat[f"{name}/rtt={rtt}ms/bw=10Mbit"][metric] for rtt in RTTS]
-            ax.bar([k + j * width for k in range(len(RTTS))], ys, width, color=colors[name], label=name)
+            ax.bar([k + j * width for k in range(len(RTTS))], ys, width, color=colors.get(name), label=name)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(RTTS))], [f"RTT {r} ms" for r in RTTS])
         ax.set_title(title)
         ax.legend(fontsize=7)

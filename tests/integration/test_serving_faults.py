@@ -72,7 +72,8 @@ def test_random_byte_cuts_recover_exactly(world):
         context = dict(trial=trial, kind=kind, cut_at=cut_at, then=then, attempts=attempts)
         _check(result, view, expected, context)
         totals["cut"] += sim.snapshot().cuts > before
-        for key in ("failures", "disconnects", "offline_tokens", "offline_confirmed", "rollbacks", "reopens"):
+        for key in ("failures", "disconnects", "offline_tokens", "offline_confirmed", "rollbacks", "reopens",
+                    "pipelined_rounds"):
             totals[key] += getattr(result, key)
     print("fault totals", dict(totals), "rewinds", backend.counters["rewinds"] - rewinds_before)
     # the trials really went through the paths they are meant to test
@@ -194,8 +195,9 @@ def test_giving_up_returns_the_unverified_tail_marked(world):
 
 
 def test_trained_demo_drafter_survives_cuts_and_its_offline_drafts_are_confirmed():
-    """The shipped demo target and MoA drafter (real acceptance), cut at random points: exact, and
-    many of the tokens drafted offline are confirmed by the target after the resync."""
+    """The shipped demo target and MoA drafter (real acceptance), cut at random points, pipelined
+    rounds in flight among them: exact, and many of the tokens drafted offline are confirmed by
+    the target after the resync."""
     import json
 
     from transformers import AutoTokenizer
@@ -210,7 +212,7 @@ def test_trained_demo_drafter_survives_cuts_and_its_offline_drafts_are_confirmed
     tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED / "target"))
     prompts = [p["text"] for p in json.loads((SHIPPED / "heldout_prompts.json").read_text())][:4]
     rng = random.Random(11)
-    confirmed = offline = 0
+    confirmed = offline = pipelined = 0
     with running_server(target, {"moa-tli0": drafter}) as (url, app, backend):
         with NetSim(int(url.rsplit(":", 1)[1]), LinkConditions(rtt_ms=2.0), seed=1) as sim:
             for trial, text in enumerate(prompts):
@@ -226,7 +228,9 @@ def test_trained_demo_drafter_survives_cuts_and_its_offline_drafts_are_confirmed
                 _check(result, view, expected, dict(trial=trial))
                 confirmed += result.offline_confirmed
                 offline += result.offline_tokens
+                pipelined += result.pipelined_rounds
     assert offline > 0 and confirmed > 0, (offline, confirmed)
+    assert pipelined > 0  # cut with rounds in flight too (pipeline.py)
 
 
 def test_netsim_keeps_every_byte_in_order_under_loss_and_stays_on_loopback():

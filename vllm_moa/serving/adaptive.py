@@ -59,9 +59,16 @@ class DraftController:
     def expected_tokens(self, depth: int) -> float:
         return self.acceptance.expected_tokens(depth)
 
-    def round_time(self, depth: int) -> float:
+    def flight_time(self, depth: int) -> float:
+        """A round's time from its request to its verdict: the network and the server's verification."""
         net = self.net_s if self.net_s is not None else 0.05
-        return net + self.server.predict(self.nodes(depth) + 1, 0.01) + self.draft.predict(depth, 0.005 * depth)
+        return net + self.server.predict(self.nodes(depth) + 1, 0.01)
+
+    def draft_time(self, depth: int) -> float:
+        return self.draft.predict(depth, 0.005 * depth)
+
+    def round_time(self, depth: int) -> float:
+        return self.flight_time(depth) + self.draft_time(depth)
 
     def choose(self, limit: int | None = None) -> int:
         """The depth for the next round (<= limit, e.g. the tokens still wanted)."""

@@ -66,6 +66,11 @@ class Conflict(BackendError):
     status = 409
 
 
+class Superseded(Conflict):
+    """A pipelined round whose earlier round did not leave the session where it was drafted from:
+    nothing ran; the client discards it (it knows why from the earlier round's verdict)."""
+
+
 class SessionClosed(BackendError):
     """The session was closed (by its client or by expiry) while the request waited for it."""
 
@@ -93,6 +98,7 @@ class BackendSession:
     closed: bool = False
     last_request: tuple | None = None
     last_response: VerifyResponse | None = None
+    last_round: int = -1  # the client's number of the latest round answered (VerifyRequest.round)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -147,7 +153,7 @@ class SessionBackend(TargetBackend):
                  dtype: torch.dtype = torch.float32) -> None:
         self._signature, self._vocab, self._context = signature, vocab_size, context
         self.device = torch.device(device)
-        self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, generates
+        self.counters: Counter[str] = Counter()  # opens, verifies, replays, rewinds, superseded, generates
         self._counters_lock = threading.Lock()  # sessions of many clients count at once
         # kinds that declare LSA weights (MoA) sync through the server's own copy of those weights
         self._served: list[tuple[DrafterInfo, Drafter | None]] = []
@@ -211,7 +217,28 @@ class SessionBackend(TargetBackend):
 
     def verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         with session.lock:
-            return self._verify(session, request)
+            try:
+                if request.after is not None:
+                    self._check_pipelined(session, request)
+                return self._verify(session, request)
+            finally:
+                if request.round is not None:
+                    session.last_round = max(session.last_round, request.round)
+
+    def _check_pipelined(self, session: BackendSession, request: VerifyRequest) -> None:
+        """A pipelined round runs only right after its earlier round, where that round left the session."""
+        key = (request.seq, tuple(request.tree.tokens), tuple(request.tree.parents))
+        if session.last_request == key:
+            return  # a replay
+        if session.last_round != request.after:
+            self._count("superseded")
+            raise Superseded(f"round {request.round} follows round {request.after}, but the session's latest round "
+                             f"is {session.last_round}: not verified")
+        if request.seq != len(session.tokens) or request.tree.tokens[0] != session.pending:
+            self._count("superseded")
+            raise Superseded(f"round {request.after} left the session at {len(session.tokens)} tokens with next token "
+                             f"{session.pending}; round {request.round} was drafted at {request.seq} from "
+                             f"{request.tree.tokens[0]}: not verified")
 
     def _verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         started = time.perf_counter()

@@ -148,6 +148,9 @@ def client(
     chain_if_faster: bool = typer.Option(True, help="With --tree-top-k: each round the tree or a chain, whichever "
                                                     "has measured more tokens per second (--no-chain-if-faster: "
                                                     "the tree every round)."),
+    pipeline: int = typer.Option(2, min=1, max=8, help="Rounds in flight at most: a chain's next round is drafted "
+                                                       "past it and sent before its verdict while that measurably "
+                                                       "pays (1: every round waits for its verdict)."),
     encoding: str = typer.Option("fp16", help="Drafter-sync payload: fp16 | int8."),
     temperature: float = typer.Option(0.0, help="0 = greedy (output equals the target's greedy decoding), as is "
                                                 "anything below 1e-5; at most 100."),
@@ -201,7 +204,7 @@ def client(
         remote = RemoteDraftingClient(url, model, local_target, token=os.environ.get(token_env) or None,
                                       encoding=encoding, num_draft=num_draft or None, tree_top_k=tree_top_k or None,
                                       timeout=timeout, give_up_after_s=give_up_after, tokenizer=tokenizer,
-                                      lookup=lookup, chain_if_faster=chain_if_faster)
+                                      lookup=lookup, chain_if_faster=chain_if_faster, pipeline=pipeline)
         view = Transcript()
         printed = 0
         offline_noted = False
@@ -238,7 +241,8 @@ def client(
         "acceptance_length": round(result.acceptance_length, 3), "disconnects": result.disconnects,
         "offline_tokens": result.offline_tokens, "offline_confirmed": result.offline_confirmed,
         "rollbacks": result.rollbacks, "reopens": result.reopens, "lookup_rounds": result.lookup_rounds,
-        "shape_rounds": result.shape_rounds,
+        "shape_rounds": result.shape_rounds, "pipelined_rounds": result.pipelined_rounds,
+        "pipelined_verified": result.pipelined_verified,
     }
     if json_output:
         typer.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, **summary}, indent=2))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import tenacity
 import torch
@@ -45,8 +44,11 @@ from vllm_moa.decoding.speed_control import FasterShape
 from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
-from vllm_moa.serving.local import LocalSession, decode_sync, open_local, propose
+from vllm_moa.serving.api_call import api_events
+from vllm_moa.serving.local import decode_sync, open_local, propose
+from vllm_moa.serving.pipeline import Round, RoundSender, continues, drafted_chain, pipeline_pays
 from vllm_moa.serving.protocol import InfoResponse, OpenResponse, VerifyResponse
+from vllm_moa.serving.run_state import RunState, advance
 from vllm_moa.serving.stream import (
     ClientResult,
     ProtocolError,
@@ -63,34 +65,6 @@ TREE, CHAIN = "tree", "chain"
 __all__ = ["ClientResult", "ProtocolError", "RemoteDraftingClient", "RequestRefused", "ServerUnavailable",
            "StreamEvent", "Transcript"]
 
-# -- one generation -----------------------------------------------------------------------------
-@dataclass
-class _Run:
-    prompt: list[int]
-    max_tokens: int
-    eos: int | None
-    sampling: SamplingParams | None
-    generator: torch.Generator | None
-    seed: int | None
-    result: ClientResult
-    local: LocalSession | None = None
-    controller: DraftController | None = None  # the depth controller of this round's shape
-    controllers: dict[str, DraftController] = field(default_factory=dict)  # shape -> its controller
-    shapes: FasterShape | None = None  # trees with chain_if_faster: the tree or the chain, by speed
-    shape: str = "chain"  # this round's shape (CHAIN or TREE)
-    out: list[int] = field(default_factory=list)
-    nv: int = 0  # out[:nv] verified; out[nv-1] is the pending token (the target's, not yet run)
-    seq: int = 0  # tokens the target has run = len(prompt) + nv - 1
-    session_id: str | None = None
-    offline: bool = False
-    offline_since: float = 0.0
-    failures: int = 0
-    next_try: float = 0.0
-    stale: int = 0  # consecutive 404/409 answers
-    done: bool = False
-    first_round: bool = False  # the session was (re)opened and has not verified a round yet
-
-
 class RemoteDraftingClient:
     """Speculative decoding against a verification server (see the module docstring).
 
@@ -104,6 +78,9 @@ class RemoteDraftingClient:
     chain_if_faster: with tree_top_k, each round drafts the tree or a chain, whichever has measured
               more tokens per second (both tried first, the other re-tried now and then); False:
               the tree every round
+    pipeline: rounds in flight at most (pipeline.py): a chain's next round is drafted past it and
+              sent before its verdict while that measurably pays; 1: every round waits for the
+              verdict before it
     lookup:   n-gram matches in the prompt and the verified text merged into a model drafter's
               drafts, or drafted alone when long enough (decoding/retrieval.py), as in the
               runtime: on by default for model drafters; False, or a dict / Retrieval of options
@@ -115,11 +92,13 @@ class RemoteDraftingClient:
                  connect_timeout: float = 3.0, backoff_s: float = 0.05, backoff_max_s: float = 2.0,
                  max_unverified: int = 256, offline_chunk: int = 4, give_up_after_s: float = 60.0,
                  seed: int = 0, tokenizer=None, lookup: bool | dict | Retrieval = True,
-                 chain_if_faster: bool = True) -> None:
+                 chain_if_faster: bool = True, pipeline: int = 2) -> None:
         if encoding not in ("fp16", "int8"):
             raise ValueError(f"encoding must be fp16 or int8, got {encoding!r}")
         if num_draft is not None and num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if not isinstance(pipeline, int) or pipeline < 1:
+            raise ValueError(f"pipeline (rounds in flight) must be an integer >= 1, got {pipeline!r}")
         if tree_top_k is not None and tree_top_k < 1:
             raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
         drafter = kinds.as_drafter(drafter)
@@ -134,10 +113,13 @@ class RemoteDraftingClient:
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self.max_unverified, self.offline_chunk, self.give_up_after_s = max_unverified, offline_chunk, give_up_after_s
         self.transport = Transport(url, token, timeout, connect_timeout)
+        self.pipeline = pipeline
+        self.sender = RoundSender(self.transport, workers=pipeline + 1)
         self._rng = random.Random(seed)
         self._info: InfoResponse | None = None
 
     def close(self) -> None:
+        self.sender.close()
         self.transport.close()
 
     def __enter__(self) -> RemoteDraftingClient:
@@ -175,10 +157,10 @@ class RemoteDraftingClient:
         generator = None
         if sampling is not None:
             generator = torch.Generator().manual_seed(seed if seed is not None else self._rng.randrange(2**62))
-        run = _Run(prompt, max_tokens, eos_token_id, sampling, generator, seed, ClientResult([], 0))
+        run = RunState(prompt, max_tokens, eos_token_id, sampling, generator, seed, ClientResult([], 0))
         started = time.perf_counter()
         calls0, sent0, received0 = self.transport.calls, self.transport.bytes_sent, self.transport.bytes_received
-        events = self._spec_events(run) if self.drafts else self._api_events(run)
+        events = self._spec_events(run) if self.drafts else api_events(self, run)
         first = True
         try:
             for event in events:
@@ -198,7 +180,7 @@ class RemoteDraftingClient:
         yield StreamEvent("done", len(run.out), result=run.result)
 
     # -- speculative generation ---------------------------------------------------------------------
-    def _spec_events(self, run: _Run) -> Iterator[StreamEvent]:
+    def _spec_events(self, run: RunState) -> Iterator[StreamEvent]:
         info = self.info()
         context = info.context_window
         if context is not None and len(run.prompt) + run.max_tokens > context:
@@ -218,7 +200,7 @@ class RemoteDraftingClient:
         run.controller = run.controllers[run.shape]
         try:
             first = self._retrying(lambda: self._open(run))
-            yield from self._diff(run, [], 0, [first], 1)
+            yield from advance(run, [], 0, [first], 1)
             while not run.done:
                 if run.offline and time.monotonic() - run.offline_since > self.give_up_after_s:
                     run.result.finish_reason = "disconnected"
@@ -232,15 +214,16 @@ class RemoteDraftingClient:
                     continue
                 yield from self._online_step(run, max_nodes, context)
         finally:
+            run.inflight.clear()  # rounds still in flight are answered to nobody
             self._close_session(run)
 
-    def _open(self, run: _Run) -> int:
+    def _open(self, run: RunState) -> int:
         body = {"prompt": run.prompt, "drafter": run.local.declaration().model_dump(), "encoding": self.encoding,
-                "sampling": self._sampling_body(run)}
+                "sampling": self.sampling_body(run)}
         response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
         run.result.server_seconds += response.server_ms / 1e3
         sync = self._decode(response.sync, 0, len(run.prompt))
-        first = self._token(response.first_token, "first token")
+        first = self.checked_token(response.first_token, "first token")
         with payload_errors():
             run.local.start(run.prompt, sync)
         run.session_id, run.seq, run.first_round = response.session_id, response.length, True
@@ -248,20 +231,20 @@ class RemoteDraftingClient:
             raise ProtocolError(f"server ran {run.seq} prompt tokens, the prompt has {len(run.prompt)}")
         return first
 
-    def _reopen(self, run: _Run) -> None:
+    def _reopen(self, run: RunState) -> None:
         """The server lost the session (or we are out of step): open one at our verified prefix."""
         self._close_session(run)
         prefix = run.prompt + run.out[: run.nv - 1]
         body = {"prompt": prefix, "pending": run.out[run.nv - 1], "sync_from": run.seq,
                 "drafter": run.local.declaration().model_dump(), "encoding": self.encoding,
-                "sampling": self._sampling_body(run, salt=run.result.reopens + 1)}
+                "sampling": self.sampling_body(run, salt=run.result.reopens + 1)}
         response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
         if response.length != run.seq or response.first_token != run.out[run.nv - 1] or response.sync.count:
             raise ProtocolError("reopened session does not match the client's verified prefix")
         run.session_id, run.first_round = response.session_id, True
         run.result.reopens += 1
 
-    def _close_session(self, run: _Run) -> None:
+    def _close_session(self, run: RunState) -> None:
         if run.session_id is None:
             return
         session_id, run.session_id = run.session_id, None
@@ -272,7 +255,7 @@ class RemoteDraftingClient:
         except (TransientFailure, StaleSession, RequestRefused):
             pass
 
-    def _sampling_body(self, run: _Run, salt: int = 0) -> dict:
+    def sampling_body(self, run: RunState, salt: int = 0) -> dict:
         if run.sampling is None:
             return {"temperature": 0.0}
         seed = None if run.seed is None else (run.seed * 1_000_003 + salt) % 2**62
@@ -288,7 +271,7 @@ class RemoteDraftingClient:
                                target.device if target is not None else torch.device("cpu"),
                                target.signature if target is not None else None)
 
-    def _token(self, token, what: str) -> int:
+    def checked_token(self, token, what: str) -> int:
         """A token id from the server, checked against its target's vocabulary."""
         vocab = self._info.target.get("vocab_size") if self._info is not None else None
         if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
@@ -297,7 +280,41 @@ class RemoteDraftingClient:
                                 f"[0, {vocab if isinstance(vocab, int) else '?'})")
         return token
 
-    def _online_step(self, run: _Run, max_nodes: int, context: int | None) -> Iterator[StreamEvent]:
+    def _online_step(self, run: RunState, max_nodes: int, context: int | None) -> Iterator[StreamEvent]:
+        if not run.inflight:
+            self._send_round(run, max_nodes, context)
+        self._pipeline(run, max_nodes, context)
+        head = run.inflight[0]
+        try:
+            response = head.future.result()
+        except TransientFailure:
+            self._abandon(run)
+            self.went_offline(run)
+            return
+        except StaleSession as err:
+            self._abandon(run)
+            run.stale += 1
+            if run.stale > 3:
+                raise ProtocolError(f"the server keeps refusing a freshly reopened session: {err}") from None
+            try:
+                self._reopen(run)
+            except TransientFailure:
+                self.went_offline(run)
+            return
+        run.inflight.popleft()
+        now = time.perf_counter()
+        wall, run.last_verdict = now - max(head.sent, run.last_verdict), now
+        run.offline, run.failures, run.stale, run.first_round = False, 0, 0, False
+        if head.chained:
+            run.local.begin()  # its chain was fed past the verified state: rebuild from there
+        yield from self._accept(run, head, response, wall)
+        if run.inflight:
+            following = run.inflight[0]
+            if run.done or not continues(head, response, following):
+                run.inflight.clear()  # the server refuses them (409): their answers are dropped
+
+    def _send_round(self, run: RunState, max_nodes: int, context: int | None) -> None:
+        """The round from the verified state: a fresh draft, or the unverified tail (a resync)."""
         pending, tail = run.out[run.nv - 1], run.out[run.nv:]
         room = max_nodes if context is None else max(0, min(max_nodes, context - 1 - run.seq))
         block = self.info().kv_block_size
@@ -322,30 +339,49 @@ class RemoteDraftingClient:
                 tree = self._draft(run, pending, spec, room)
             draft_s = time.perf_counter() - t0
             run.result.draft_seconds += draft_s
-        body = {"seq": run.seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)}}
-        t0 = time.perf_counter()
-        try:
-            response = self.transport.call("POST", f"/v1/sessions/{run.session_id}/verify", body, VerifyResponse,
-                                           stale=(404, 409))
-        except TransientFailure:
-            run.local.rollback()
-            self._went_offline(run)
-            return
-        except StaleSession as err:
-            run.local.rollback()
-            run.stale += 1
-            if run.stale > 3:
-                raise ProtocolError(f"the server keeps refusing a freshly reopened session: {err}") from None
-            try:
-                self._reopen(run)
-            except TransientFailure:
-                self._went_offline(run)
-            return
-        wall = time.perf_counter() - t0
-        run.offline, run.failures, run.stale, run.first_round = False, 0, 0, False
-        yield from self._accept(run, tree, response, fresh=not tail, wall=wall, draft_s=draft_s)
+        run.inflight.append(self._send(run, run.seq, tree, draft_s))
 
-    def _draft(self, run: _Run, pending: int, spec: DraftSpec, room: int) -> DraftTree:
+    def _send(self, run: RunState, seq: int, tree: DraftTree, draft_s: float | None, after: Round | None = None) -> Round:
+        run.rounds += 1
+        body = {"seq": seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)},
+                "round": run.rounds, "after": None if after is None else after.id}
+        return Round(run.rounds, seq, tree, self.sender.send(run.session_id, body), time.perf_counter(), draft_s,
+                     after=None if after is None else after.id, chained=after is not None)
+
+    def _pipeline(self, run: RunState, max_nodes: int, context: int | None) -> None:
+        """Send rounds behind the chains in flight while one more pays (pipeline.py), up to
+        `pipeline` rounds in flight: each drafted past the last, from the drafter's guess of the
+        target's next token there."""
+        while len(run.inflight) < self.pipeline and not run.first_round:
+            last = run.inflight[-1]
+            chain = drafted_chain(run.inflight)
+            seq, end = last.seq + last.tree.size, run.nv + len(chain)  # the new root's position, and its index + 1
+            room = max_nodes if context is None else min(max_nodes, context - 1 - seq)
+            depth = min(run.controller.choose(limit=run.max_tokens - end), room)
+            controller = run.controller
+            if (last.draft_s is None or not last.is_chain or run.eos in chain or end >= run.max_tokens or depth < 1
+                    or not pipeline_pays(controller.rate, len(chain), controller.flight_time(depth),
+                                         controller.draft_time(depth + 1),
+                                         controller.flight_time(last.tree.size - 1) - time.perf_counter() + last.sent)):
+                return
+            t0 = time.perf_counter()
+            run.local.rollback()
+            new = run.local.draft_ahead(chain, depth + 1, stop_token=run.eos)
+            draft_s = time.perf_counter() - t0
+            run.result.draft_seconds += draft_s
+            if len(new) < 2 or new[-1] == run.eos:
+                return
+            if not last.chained:  # accepted from the verified state now: the drafter was fed past it
+                last.chained, last.tree = True, DraftTree.chain(last.root, last.tree.tokens[1:].tolist(), fed=0)
+            run.inflight.append(self._send(run, seq, DraftTree.chain(new[0], new[1:], fed=0), draft_s, after=last))
+            run.result.pipelined_rounds += 1
+
+    def _abandon(self, run: RunState) -> None:
+        """The rounds in flight are lost (the link, a stale session): the state is the verified one."""
+        run.inflight.clear()
+        run.local.rollback()
+
+    def _draft(self, run: RunState, pending: int, spec: DraftSpec, room: int) -> DraftTree:
         """A fresh round's draft: the local drafter's, with lookup over the prompt and the verified
         tokens merged in (at most `room` drafted nodes), or lookup's alone when it found enough."""
         if self.retrieval is None:
@@ -361,15 +397,17 @@ class RemoteDraftingClient:
         run.result.lookup_rounds["model" if merged is None else "merged"] += 1
         return tree if merged is None else merged
 
-    def _accept(self, run: _Run, tree: DraftTree, response: VerifyResponse, fresh: bool, wall: float,
-                draft_s: float | None) -> Iterator[StreamEvent]:
+    def _accept(self, run: RunState, head: Round, response: VerifyResponse, wall: float) -> Iterator[StreamEvent]:
+        """`head`'s verdict: `wall` is the time since it went out or since the verdict before it
+        (the later for a pipelined round, whose drafting and flight overlapped earlier rounds)."""
+        tree, fresh, draft_s, pipelined = head.tree, head.draft_s is not None, head.draft_s, head.after is not None
         tokens, path = tree.tokens.tolist(), response.path
         if (not path or path[0] != 0 or any(not 0 < n < len(tokens) for n in path[1:])
                 or any(tree.parents[b] != a for a, b in zip(path, path[1:]))
                 or response.accepted != [tokens[n] for n in path[1:]] or response.seq != run.seq + len(path)):
             raise ProtocolError(f"verify response does not fit the draft: path {path}, seq {response.seq}")
         sync = self._decode(response.sync, run.seq, len(path))
-        nxt = self._token(response.next_token, "next token")
+        nxt = self.checked_token(response.next_token, "next token")
         with payload_errors():
             run.local.accept(tree, path, sync)
         run.seq = response.seq
@@ -383,8 +421,11 @@ class RemoteDraftingClient:
             result.shape_rounds[run.shape] = result.shape_rounds.get(run.shape, 0) + 1
             run.controller.observe_acceptance(depth, len(path) - 1)
             if run.shapes is not None:  # the round's tokens over its time, drafting included
-                run.shapes.observe(1, run.shape, len(path), wall + (draft_s or 0.0))
-        run.controller.observe_timing(depth, wall, response.server_ms / 1e3, draft_s)
+                run.shapes.observe(1, run.shape, len(path), wall + (0.0 if pipelined else draft_s or 0.0))
+        if pipelined:
+            result.pipelined_verified += 1
+        else:
+            run.controller.observe_timing(depth, wall, response.server_ms / 1e3, draft_s)
         old_out, old_nv = list(run.out), run.nv
         accepted = response.accepted
         if fresh:
@@ -401,29 +442,9 @@ class RemoteDraftingClient:
                     result.rollbacks += 1
                     result.rolled_back_tokens += dropped
             result.offline_confirmed += confirmed
-        yield from self._diff(run, old_out, old_nv, out, nv)
+        yield from advance(run, old_out, old_nv, out, nv)
 
-    def _diff(self, run: _Run, old_out: list[int], old_nv: int, out: list[int], nv: int) -> Iterator[StreamEvent]:
-        """Apply the new state (after the stop rules) and emit the events that lead there."""
-        new = out[old_nv:nv]
-        if run.eos is not None and run.eos in new:
-            cut = old_nv + new.index(run.eos) + 1
-            out, nv = out[:cut], cut
-            run.done, run.result.finish_reason = True, "eos"
-        if nv >= run.max_tokens:
-            out, nv = out[: run.max_tokens], run.max_tokens
-            run.done, run.result.finish_reason = True, "length"
-        common = 0
-        limit = min(len(old_out), len(out))
-        while common < limit and old_out[common] == out[common]:
-            common += 1
-        run.out, run.nv = list(out), nv
-        if common < len(old_out):
-            yield StreamEvent("rollback", common)
-        if nv > old_nv:
-            yield StreamEvent("verified", old_nv, out[old_nv:nv])
-
-    def _offline_step(self, run: _Run) -> StreamEvent | None:
+    def _offline_step(self, run: RunState) -> StreamEvent | None:
         """Draft a few tokens alone; None when there is nothing (more) to draft."""
         tail = len(run.out) - run.nv
         room = min(run.max_tokens - len(run.out), self.max_unverified - tail)
@@ -440,7 +461,7 @@ class RemoteDraftingClient:
         run.result.offline_tokens += len(new)
         return StreamEvent("unverified", start, new)
 
-    def _went_offline(self, run: _Run) -> None:
+    def went_offline(self, run: RunState) -> None:
         run.result.failures += 1
         run.failures += 1
         if not run.offline:
@@ -465,31 +486,3 @@ class RemoteDraftingClient:
                                      wait=lambda state: self._backoff(state.attempt_number),
                                      sleep=lambda seconds: time.sleep(seconds), retry_error_callback=give_up)
         return retrying(call)
-
-    # -- the API-call baseline --------------------------------------------------------------------
-    def _api_events(self, run: _Run) -> Iterator[StreamEvent]:
-        """Plain decoding on the server, streamed. A dropped stream is resumed from the tokens
-        received (greedy: exact); while the server is unreachable nothing is produced."""
-        while not run.done:
-            body = {"prompt": run.prompt + run.out, "max_tokens": run.max_tokens - len(run.out), "stream": True,
-                    "eos_token_id": run.eos, "sampling": self._sampling_body(run, salt=run.result.failures)}
-            try:
-                for line in self.transport.stream_lines("/v1/generate", body):
-                    if "tokens" in line:
-                        if not isinstance(line["tokens"], list):
-                            raise ProtocolError(f"stream line without a token list: {line!r:.200}")
-                        new = [self._token(t, "generated token") for t in line["tokens"]]
-                        yield from self._diff(run, list(run.out), run.nv, run.out + new, run.nv + len(new))
-                    elif line.get("done"):
-                        run.result.server_seconds += float(line.get("server_ms", 0.0)) / 1e3
-                        if not run.done and line.get("finish_reason") == "eos":
-                            run.done, run.result.finish_reason = True, "eos"
-                        run.done = run.done or len(run.out) >= run.max_tokens
-                        break
-                run.offline, run.failures = False, 0
-            except TransientFailure:
-                self._went_offline(run)
-                if time.monotonic() - run.offline_since > self.give_up_after_s:
-                    run.result.finish_reason = "disconnected"
-                    return
-                time.sleep(max(0.0, run.next_try - time.monotonic()))

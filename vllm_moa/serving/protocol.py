@@ -22,6 +22,9 @@ count of tokens the target has run. The server answers deterministically from (s
   for sampling).
 * seq > the server's length, or a root that contradicts the server's tokens: 409; the client
   reopens the session with its verified prefix (OpenRequest.pending, .sync_from).
+* a pipelined round (`after`: sent before the verdict of the client's round `after`): it waits for
+  that round (serving/round_order.py), then runs only at exactly the length that round left, from
+  the token the target chose next; otherwise 409 with nothing run (the client discards it).
 
 Every request model is strict (no type coercion, no unknown keys) and bounded; the server's
 configured limits (`ServerLimits`) are checked on top, each refusal a 4xx with a message: 413 for
@@ -96,6 +99,11 @@ class ServerLimits(BaseModel):
                                       json_schema_extra={"cli_flag": "session_ttl"})
     session_max_age_s: float = Field(3600.0, gt=0, description="Seconds a session may live.",
                                      json_schema_extra={"cli_flag": "session_max_age"})
+    max_rounds_in_flight: int = Field(4, ge=1, le=64, description="Pipelined verify requests a session may have "
+                                                                  "waiting for their earlier round.")
+    round_wait_s: float = Field(10.0, gt=0, description="Seconds a pipelined verify request waits for its "
+                                                        "earlier round before it is refused (409).",
+                                json_schema_extra={"cli_flag": "round_wait"})
 
 
 class SamplingOptions(_Request):
@@ -177,8 +185,22 @@ class DraftTreeIn(_Request):
 
 
 class VerifyRequest(_Request):
+    """A draft tree at position `seq`. A pipelined round (`after` set) was sent before the verdict
+    of the client's round `after`: the server verifies it right after that round, and only if that
+    round left the session exactly at `seq` with `tree`'s root as its next token; otherwise
+    (the earlier round rejected a draft, or the target chose another next token) it answers 409
+    and runs nothing. The client numbers its rounds (`round`, increasing within a session)."""
+
     seq: int = Field(ge=1, lt=INT32)  # position of the tree's root = tokens the target has run
     tree: DraftTreeIn
+    round: int | None = Field(None, ge=0, lt=2**62)  # the client's number for this round
+    after: int | None = Field(None, ge=0, lt=2**62)  # pipelined: the round this one follows
+
+    @model_validator(mode="after")
+    def _order(self) -> VerifyRequest:
+        if self.after is not None and (self.round is None or self.after >= self.round):
+            raise ValueError("a pipelined round (after) needs its own, later round number (round > after)")
+        return self
 
 
 class GenerateRequest(_Request):

@@ -48,6 +48,7 @@ from vllm_moa.serving.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from vllm_moa.serving.round_order import RoundOrder
 from vllm_moa.serving.security import AuthMiddleware, BearerAuth, BodyLimitMiddleware, check_exposure, client_key
 from vllm_moa.serving.sessions import SessionStore, Slot
 
@@ -62,6 +63,7 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
     limits = limits or ServerLimits()
     auth = BearerAuth(tokens or [])
     store = SessionStore(limits, clock)
+    rounds = RoundOrder(limits)
     period = reap_every_s or max(0.5, min(limits.session_idle_ttl_s / 4, 30.0))
     # the longest sequence served: the target's context window, capped by the configured limit
     # (a target that declares no window is bounded by the limit alone)
@@ -168,16 +170,20 @@ def create_app(backend: TargetBackend, limits: ServerLimits | None = None, token
             raise too_long(f"a draft of depth {depth} at position {request.seq}", request.seq + depth + 1)
         session = store.get(client, session_id)  # in flight until settle(): never reaped meanwhile
         try:
+            await rounds.wait_turn(session, request)  # a pipelined round: after the round it follows
             store.charge(session_id, request.seq + nodes)  # the draft's K/V is written after the root's position
             response = await run_in_threadpool(backend.verify, session, request)
         finally:
             store.settle(session_id, len(session.tokens))
+            if request.round is not None:
+                await rounds.answered()
         metrics.verified(nodes - 1, len(response.accepted))
         return response
 
     @app.delete("/v1/sessions/{session_id}", responses=_ERRORS)
     async def close_session(session_id: str = SessionId, client: str = Depends(client_key)) -> dict:
         await run_in_threadpool(backend.close, store.remove(client, session_id))
+        await rounds.answered()  # its pipelined rounds stop waiting (and find it closed)
         return {"closed": session_id}
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses=_ERRORS)

@@ -84,6 +84,8 @@ class ClientResult:
     rolled_back_tokens: int = 0
     lookup_rounds: dict[str, int] = field(default_factory=lambda: {"model": 0, "merged": 0, "retrieval": 0})
     shape_rounds: dict[str, int] = field(default_factory=dict)  # fresh rounds by draft shape ("tree", "chain")
+    pipelined_rounds: int = 0  # rounds sent before the verdict of the round ahead (pipeline.py)
+    pipelined_verified: int = 0  # of those, verified (the others were discarded: the round ahead ended short)
 
     @property
     def verified_mask(self) -> list[bool]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -33,17 +34,20 @@ class Transport:
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers,
                                  timeout=httpx.Timeout(timeout, connect=connect_timeout))
         self.calls = self.bytes_sent = self.bytes_received = 0
+        self._counting = threading.Lock()  # requests may run from several threads (pipelined rounds)
 
     def close(self) -> None:
         self.http.close()
 
     def _count_request(self, request: httpx.Request, body: bytes) -> None:
-        self.calls += 1
         line = len(request.method) + len(request.url.raw_path) + 12
-        self.bytes_sent += line + sum(len(k) + len(v) + 4 for k, v in request.headers.raw) + 2 + len(body)
+        with self._counting:
+            self.calls += 1
+            self.bytes_sent += line + sum(len(k) + len(v) + 4 for k, v in request.headers.raw) + 2 + len(body)
 
     def _count_response(self, response: httpx.Response, body_bytes: int) -> None:
-        self.bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in response.headers.raw) + 2 + body_bytes
+        with self._counting:
+            self.bytes_received += 17 + sum(len(k) + len(v) + 4 for k, v in response.headers.raw) + 2 + body_bytes
 
     def call(self, method: str, path: str, body: dict | None, model: type[BaseModel] | None,
              stale: tuple[int, ...] = ()) -> BaseModel | dict:

@@ -337,3 +337,22 @@ def test_the_users_benchmark_accepts_a_float32_near_tie_and_nothing_else():
     assert position == 1 and gap == pytest.approx(5e-5, rel=1e-2)
     assert near_tie_gap(target(0.5), prompt, [1, 2, 3, 3], want) is None
     assert near_tie_gap(target(5e-5), prompt, [1, 1, 2, 3], want) is None  # the tie is not where they part
+
+
+def test_one_more_round_in_flight_pays_only_when_it_is_likely_and_its_drafting_overlaps():
+    from vllm_moa.serving.pipeline import MIN_CHANCE, pipeline_pays
+
+    # 0.8 ** 4 = 0.41 of a 60 ms round saved; drafting (10 ms) fits in the 50 ms still in flight
+    assert pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.010, flight_s=0.050)
+    # the same chance, but drafting would delay the verdict by 40 ms: 0.41 * 60 < 40
+    assert not pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.090, flight_s=0.050)
+    # drafting fully overlapped, but the round is almost surely thrown away
+    assert 0.4 ** 5 < MIN_CHANCE and not pipeline_pays(0.4, 5, saved_s=1.0, draft_s=0.0, flight_s=0.1)
+
+
+def test_a_pipelined_round_must_name_its_own_later_number():
+    tree = {"tokens": [1], "parents": [-1]}
+    VerifyRequest.model_validate({"seq": 3, "tree": tree, "round": 5, "after": 4})
+    for bad in ({"after": 4}, {"round": 4, "after": 4}, {"round": 3, "after": 4}):
+        with pytest.raises(ValidationError, match="round > after"):
+            VerifyRequest.model_validate({"seq": 3, "tree": tree, **bad})
