@@ -150,7 +150,7 @@ def test_waiting_rounds_per_session_are_bounded(tiny):
 
 
 def test_sampling_through_a_pipelined_round_keeps_the_targets_distribution():
-    """Temperature 1: round 1 runs the root alone, round 2 (pipelined) is drafted from the greedy
+    """Temperature 0.5: round 1 runs the root alone, round 2 (pipelined) is drafted from the greedy
     guess of round 1's next token. When round 2 runs, the token it gives for the position after its
     root is distributed as the target's next-token distribution there (chi-square over the trials
     where round 2 ran); every other trial's round 2 was refused, never run."""
@@ -162,13 +162,13 @@ def test_sampling_through_a_pipelined_round_keeps_the_targets_distribution():
     greedy = plain_greedy_generate(target, prompt, 4).token_ids
     with torch.no_grad():
         logits = target.hf_model(torch.tensor([prompt + greedy[:2]])).logits[0, -1].float()
-    probs = torch.softmax(logits, -1)
+    probs = torch.softmax(logits / 0.5, -1)
     first = code_seed("vllm_moa/serving", "vllm_moa/decoding")
     tokens, refused, trials = [], 0, 0
-    for seed in range(first, first + 8000):
+    for seed in range(first, first + 4000):
         session, opened = backend.open(OpenRequest.model_validate(
             {"prompt": prompt, "pending": greedy[0], "drafter": {"kind": "ngram"},
-             "sampling": {"temperature": 1.0, "seed": seed}}))
+             "sampling": {"temperature": 0.5, "seed": seed}}))
         seq = len(prompt)
         backend.verify(session, VerifyRequest(seq=seq, round=1, tree=DraftTreeIn(tokens=greedy[:1], parents=[-1])))
         try:
@@ -179,10 +179,10 @@ def test_sampling_through_a_pipelined_round_keeps_the_targets_distribution():
             refused += 1
         backend.close(session)
         trials += 1
-        if len(tokens) >= 1000:
+        if len(tokens) >= 600:
             break
     observed, expected = top_buckets(tokens, probs)
     p = chi_square_p(observed, expected)
     print("pipelined sampling: seeds from", first, "p =", p, "ran", len(tokens), "refused", refused)
-    assert refused > 0 and len(tokens) >= 1000, (refused, len(tokens), trials)
+    assert refused > 0 and len(tokens) >= 600, (refused, len(tokens), trials)
     assert p > 1e-3, (first, observed, expected)

@@ -46,7 +46,7 @@ from vllm_moa.registry import DrafterArg
 from vllm_moa.serving.adaptive import DraftController
 from vllm_moa.serving.api_call import api_events
 from vllm_moa.serving.local import decode_sync, open_local, propose
-from vllm_moa.serving.pipeline import Round, RoundSender, continues, drafted_chain, pipeline_pays
+from vllm_moa.serving.pipeline import Round, RoundSender, continues, drafted_chain, lookup_ahead, pipeline_pays
 from vllm_moa.serving.protocol import InfoResponse, OpenResponse, VerifyResponse
 from vllm_moa.serving.run_state import RunState, advance
 from vllm_moa.serving.stream import (
@@ -350,29 +350,32 @@ class RemoteDraftingClient:
 
     def _pipeline(self, run: RunState, max_nodes: int, context: int | None) -> None:
         """Send rounds behind the chains in flight while one more pays (pipeline.py), up to
-        `pipeline` rounds in flight: each drafted past the last, from the drafter's guess of the
-        target's next token there."""
+        `pipeline` rounds in flight: each drafted past the last, from a guess of the target's next
+        token there: lookup's continuation when it has one long enough (free), else the drafter's."""
         while len(run.inflight) < self.pipeline and not run.first_round:
             last = run.inflight[-1]
             chain = drafted_chain(run.inflight)
             seq, end = last.seq + last.tree.size, run.nv + len(chain)  # the new root's position, and its index + 1
             room = max_nodes if context is None else min(max_nodes, context - 1 - seq)
             depth = min(run.controller.choose(limit=run.max_tokens - end), room)
-            controller = run.controller
-            if (last.draft_s is None or not last.is_chain or run.eos in chain or end >= run.max_tokens or depth < 1
-                    or not pipeline_pays(controller.rate, len(chain), controller.flight_time(depth),
-                                         controller.draft_time(depth + 1),
-                                         controller.flight_time(last.tree.size - 1) - time.perf_counter() + last.sent)):
+            if last.draft_s is None or not last.is_chain or run.eos in chain or end >= run.max_tokens or depth < 1:
                 return
+            controller = run.controller
             t0 = time.perf_counter()
-            run.local.rollback()
-            new = run.local.draft_ahead(chain, depth + 1, stop_token=run.eos)
+            new = lookup_ahead(self.retrieval, run.prompt + run.out[: run.nv - 1], chain, depth + 1)
+            if not pipeline_pays(controller.rate, len(chain), controller.flight_time(depth),
+                                 0.0 if new else controller.draft_time(depth + 1)):
+                return
+            if not new:
+                for r in run.inflight:  # accepted from the verified state: the drafter is fed past it now
+                    if not r.chained:
+                        r.chained, r.tree = True, DraftTree.chain(r.root, r.tree.tokens[1:].tolist(), fed=0)
+                run.local.rollback()
+                new = run.local.draft_ahead(chain, depth + 1, stop_token=run.eos)
             draft_s = time.perf_counter() - t0
             run.result.draft_seconds += draft_s
             if len(new) < 2 or new[-1] == run.eos:
                 return
-            if not last.chained:  # accepted from the verified state now: the drafter was fed past it
-                last.chained, last.tree = True, DraftTree.chain(last.root, last.tree.tokens[1:].tolist(), fed=0)
             run.inflight.append(self._send(run, seq, DraftTree.chain(new[0], new[1:], fed=0), draft_s, after=last))
             run.result.pipelined_rounds += 1
 

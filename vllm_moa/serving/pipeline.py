@@ -10,6 +10,7 @@ verified from the same state, with the same checks, as the round the client woul
 
     RoundSender(transport, workers)   verify requests from worker threads (several in flight)
     Round                             one round in flight
+    lookup_ahead(...)                 a round's tokens by lookup past the chains in flight (free)
     pipeline_pays(...)                whether one more round in flight pays (measured rates)
 """
 
@@ -19,7 +20,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.decoding.retrieval import Retrieval, lookup_found
+from vllm_moa.decoding.tree import DraftSpec, DraftTree
 from vllm_moa.serving.protocol import VerifyResponse
 from vllm_moa.serving.transport import Transport
 
@@ -49,6 +51,15 @@ def drafted_chain(rounds: Sequence[Round]) -> list[int]:
     return [token for r in rounds for token in r.tree.tokens.tolist()]
 
 
+def lookup_ahead(retrieval: Retrieval | None, verified: Sequence[int], chain: list[int], n: int) -> list[int]:
+    """The n tokens after `chain` (the chains in flight, after the `verified` text) by lookup, when it
+    finds a continuation as long as it would draft alone (at least 2: a root and a draft); else []."""
+    if retrieval is None:
+        return []
+    found = lookup_found(retrieval, list(verified) + chain[:-1], chain[-1], DraftSpec.chain(n))
+    return found[0][:n] if found and len(found[0]) >= max(2, min(n, retrieval.alone_at or n)) else []
+
+
 def continues(head: Round, response: VerifyResponse, following: Round) -> bool:
     """`following` stays valid after `head`'s verdict: every draft accepted, and the target's next
     token is the root `following` was drafted from."""
@@ -73,11 +84,12 @@ class RoundSender:
 MIN_CHANCE = 0.1  # below this a round in flight is drafted mostly to be thrown away
 
 
-def pipeline_pays(rate: float, levels: int, saved_s: float, draft_s: float, flight_s: float) -> bool:
+def pipeline_pays(rate: float, levels: int, saved_s: float, draft_s: float) -> bool:
     """One more round in flight pays when the chance that it is verified (every round ahead of it
     accepted whole and its guessed root right: rate ** levels, `rate` the measured per-level
-    acceptance) times what it saves (a round's network time and the server's verification) exceeds
-    what its drafting delays: the part of it that does not fit in the flight of the round ahead
-    (`flight_s`), during which the client would wait anyway."""
+    acceptance) times what it saves (a round's network time and the server's verification)
+    exceeds its drafting time, spent whether or not it is used (in full: where the client shares
+    cores with the server, as in this repository's benchmarks, drafting during the wait is not
+    free)."""
     chance = rate ** levels
-    return chance >= MIN_CHANCE and chance * saved_s > max(0.0, draft_s - flight_s)
+    return chance >= MIN_CHANCE and chance * saved_s > draft_s

@@ -339,15 +339,26 @@ def test_the_users_benchmark_accepts_a_float32_near_tie_and_nothing_else():
     assert near_tie_gap(target(5e-5), prompt, [1, 1, 2, 3], want) is None  # the tie is not where they part
 
 
-def test_one_more_round_in_flight_pays_only_when_it_is_likely_and_its_drafting_overlaps():
+def test_one_more_round_in_flight_pays_only_when_it_is_likely_and_cheap_enough():
     from vllm_moa.serving.pipeline import MIN_CHANCE, pipeline_pays
 
-    # 0.8 ** 4 = 0.41 of a 60 ms round saved; drafting (10 ms) fits in the 50 ms still in flight
-    assert pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.010, flight_s=0.050)
-    # the same chance, but drafting would delay the verdict by 40 ms: 0.41 * 60 < 40
-    assert not pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.090, flight_s=0.050)
-    # drafting fully overlapped, but the round is almost surely thrown away
-    assert 0.4 ** 5 < MIN_CHANCE and not pipeline_pays(0.4, 5, saved_s=1.0, draft_s=0.0, flight_s=0.1)
+    # 0.8 ** 4 = 0.41 of a 60 ms round saved (24.6 ms) against 10 ms of drafting
+    assert pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.010)
+    # the same chance against 30 ms of drafting: not worth it
+    assert not pipeline_pays(0.8, 4, saved_s=0.060, draft_s=0.030)
+    # free (a lookup continuation), but almost surely thrown away
+    assert 0.4 ** 5 < MIN_CHANCE and not pipeline_pays(0.4, 5, saved_s=1.0, draft_s=0.0)
+
+
+def test_lookup_continues_past_the_chains_in_flight():
+    from vllm_moa.decoding.retrieval import Retrieval
+    from vllm_moa.serving.pipeline import lookup_ahead
+
+    verified = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    # in flight: [3, 4] (the pending token and a draft): lookup finds 1 2 3 4 earlier, then 5 6 7 8
+    assert lookup_ahead(Retrieval(), verified, [3, 4], 3) == [5, 6, 7]
+    assert lookup_ahead(Retrieval(), verified, [30, 40], 3) == []  # no match
+    assert lookup_ahead(None, verified, [3, 4], 3) == []  # lookup off
 
 
 def test_a_pipelined_round_must_name_its_own_later_number():
