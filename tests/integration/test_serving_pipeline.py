@@ -186,3 +186,18 @@ def test_sampling_through_a_pipelined_round_keeps_the_targets_distribution():
     print("pipelined sampling: seeds from", first, "p =", p, "ran", len(tokens), "refused", refused)
     assert refused > 0 and len(tokens) >= 600, (refused, len(tokens), trials)
     assert p > 1e-3, (first, observed, expected)
+
+
+def test_a_client_that_asks_for_more_rounds_in_flight_than_the_server_holds_stays_exact(demo):
+    """--pipeline 8 against a server that lets one round wait per session (max_rounds_in_flight=1):
+    the client sends no more than the server holds (and would stop pipelining on a 429), so the
+    generation completes, exact, with rounds pipelined."""
+    target, drafter, prompts = demo
+    limits = ServerLimits(max_rounds_in_flight=1)
+    with running_server(target, {"moa-tli0": drafter}, limits) as (url, app, backend):
+        with NetSim(int(url.rsplit(":", 1)[1]), LinkConditions(rtt_ms=20.0), seed=4) as sim:
+            with RemoteDraftingClient(sim.url, drafter, target, pipeline=8, num_draft=3) as client:
+                for ids in prompts[:2]:
+                    result = client.generate(ids, 48)
+                    assert result.token_ids == plain_greedy_generate(target, ids, 48).token_ids
+                    assert result.pipelined_rounds > 0

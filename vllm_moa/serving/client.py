@@ -114,7 +114,7 @@ class RemoteDraftingClient:
         self.max_unverified, self.offline_chunk, self.give_up_after_s = max_unverified, offline_chunk, give_up_after_s
         self.transport = Transport(url, token, timeout, connect_timeout)
         self.pipeline = pipeline
-        self.sender = RoundSender(self.transport, workers=pipeline + 1)
+        self.sender = RoundSender(self.transport, workers=2 * pipeline + 1)  # + discarded rounds' answers
         self._rng = random.Random(seed)
         self._info: InfoResponse | None = None
 
@@ -187,6 +187,7 @@ class RemoteDraftingClient:
             raise ValueError(f"prompt ({len(run.prompt)} tokens) + max_tokens={run.max_tokens} exceeds the target's "
                              f"context window ({context})")
         max_nodes = info.limits.max_draft_nodes
+        run.pipeline = min(self.pipeline, info.limits.max_rounds_in_flight + 1)  # all but the first may wait there
         run.local = open_local(self.drafter, self.target)
         top_k = self.tree_top_k
         max_depth = min(self.max_depth, max_nodes)
@@ -291,6 +292,12 @@ class RemoteDraftingClient:
             self._abandon(run)
             self.went_offline(run)
             return
+        except RequestRefused as err:
+            if head.after is None or err.status != 429:
+                raise
+            self._abandon(run)  # the server holds fewer rounds waiting than we sent: stop pipelining
+            run.pipeline = 1
+            return
         except StaleSession as err:
             self._abandon(run)
             run.stale += 1
@@ -352,7 +359,7 @@ class RemoteDraftingClient:
         """Send rounds behind the chains in flight while one more pays (pipeline.py), up to
         `pipeline` rounds in flight: each drafted past the last, from a guess of the target's next
         token there: lookup's continuation when it has one long enough (free), else the drafter's."""
-        while len(run.inflight) < self.pipeline and not run.first_round:
+        while len(run.inflight) < run.pipeline and not run.first_round:
             last = run.inflight[-1]
             chain = drafted_chain(run.inflight)
             seq, end = last.seq + last.tree.size, run.nv + len(chain)  # the new root's position, and its index + 1

@@ -44,6 +44,7 @@ class RunState:
     first_round: bool = False  # the session was (re)opened and has not verified a round yet
     inflight: deque[Round] = field(default_factory=deque)  # rounds sent, oldest first (pipeline.py)
     rounds: int = 0  # rounds sent (their numbers, increasing over the run's sessions)
+    pipeline: int = 1  # rounds in flight at most: the client's, capped by what the server holds waiting
     last_verdict: float = 0.0  # perf_counter() of the latest verdict
 
 
