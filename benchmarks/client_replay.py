@@ -90,14 +90,17 @@ class RecordingTransport:
 
 
 def record_run(client: RemoteDraftingClient, prompt: list[int], max_tokens: int) -> Recording:
-    """One greedy generation by `client`, recorded. Refuses a run that reopened its session or went
-    offline: its requests would not replay on a fresh session."""
+    """One greedy generation by `client`, recorded, its rounds one after another (no pipelined
+    rounds: each replayed round waits for the answer before it). Refuses a run that reopened its
+    session or went offline: its requests would not replay on a fresh session."""
     recorder = RecordingTransport(client.transport)
-    client.transport = recorder
+    client.transport = client.sender.transport = recorder  # verify requests go through the sender
+    pipeline, client.pipeline = client.pipeline, 1
     try:
         result = client.generate(prompt, max_tokens)
     finally:
-        client.transport = recorder.inner
+        client.transport = client.sender.transport = recorder.inner
+        client.pipeline = pipeline
     if result.reopens or result.num_verified != len(result.token_ids):
         raise RuntimeError(f"the recorded run reopened its session ({result.reopens}) or left tokens unverified")
     opens = [e for e in recorder.exchanges if e.method == "POST" and e.path == "/v1/sessions"]
