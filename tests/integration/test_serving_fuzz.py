@@ -27,7 +27,7 @@ def world():
     target = make_target("llama", seed=6)
     drafters = tiny_drafters(target)
     limits = ServerLimits(max_body_bytes=32_000, max_prompt_tokens=64, max_draft_nodes=16, max_new_tokens=16,
-                          max_sessions=2_000, max_sessions_per_client=2_000)
+                          max_sessions=2_000, max_sessions_per_client=2_000, round_wait_s=0.2)
     with running_server(target, drafters, limits, [TOKEN]) as (url, app, backend):
         http = httpx.Client(base_url=url, headers=AUTH, timeout=30)
         decl = open_local(drafters["moa-tli1"], target).declaration().model_dump()
@@ -99,6 +99,8 @@ def near_valid(draw, world):
         parents = draw(st.one_of(st.lists(st.integers(-2, 30), max_size=24), json_values))
         body = {"seq": draw(st.one_of(ints, st.just(session["length"]), json_values)),
                 "tree": draw(st.one_of(st.just({"tokens": tokens, "parents": parents}), json_values))}
+        for key in draw(st.sets(st.sampled_from(["round", "after"]))):  # pipelined rounds' fields
+            body[key] = draw(st.one_of(ints, json_values))
         return "POST", f"/v1/sessions/{sid}/verify", body
     if route == "generate":
         body = {"prompt": draw(token_lists), "max_tokens": draw(st.one_of(ints, json_values)),
