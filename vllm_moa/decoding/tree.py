@@ -92,6 +92,11 @@ class DraftTree:
     def size(self) -> int:
         return len(self.parents)
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node the child of the one before it (a lone root included)."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def children(self) -> list[list[int]]:
         """Each node's children, in node order (the order acceptance tries them)."""
         out: list[list[int]] = [[] for _ in range(self.size)]

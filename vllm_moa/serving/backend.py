@@ -77,6 +77,11 @@ class SessionClosed(BackendError):
     status = 404
 
 
+
+def _request_key(request: VerifyRequest) -> tuple:
+    """What makes two verify requests the same request (a replay)."""
+    return request.seq, tuple(request.tree.tokens), tuple(request.tree.parents)
+
 class BackendUnavailable(RuntimeError):
     """A backend that cannot run here (missing package, not implemented yet)."""
 
@@ -227,25 +232,24 @@ class SessionBackend(TargetBackend):
 
     def _check_pipelined(self, session: BackendSession, request: VerifyRequest) -> None:
         """A pipelined round runs only right after its earlier round, where that round left the session."""
-        key = (request.seq, tuple(request.tree.tokens), tuple(request.tree.parents))
-        if session.last_request == key:
+        if session.last_request == _request_key(request):
             return  # a replay
         if session.last_round != request.after:
-            self._count("superseded")
-            raise Superseded(f"round {request.round} follows round {request.after}, but the session's latest round "
-                             f"is {session.last_round}: not verified")
-        if request.seq != len(session.tokens) or request.tree.tokens[0] != session.pending:
-            self._count("superseded")
-            raise Superseded(f"round {request.after} left the session at {len(session.tokens)} tokens with next token "
-                             f"{session.pending}; round {request.round} was drafted at {request.seq} from "
-                             f"{request.tree.tokens[0]}: not verified")
+            why = f"follows round {request.after}, but the session's latest round is {session.last_round}"
+        elif request.seq != len(session.tokens) or request.tree.tokens[0] != session.pending:
+            why = (f"was drafted at {request.seq} from {request.tree.tokens[0]}; round {request.after} left the "
+                   f"session at {len(session.tokens)} tokens with next token {session.pending}")
+        else:
+            return
+        self._count("superseded")
+        raise Superseded(f"round {request.round} {why}: not verified")
 
     def _verify(self, session: BackendSession, request: VerifyRequest) -> VerifyResponse:
         started = time.perf_counter()
         if session.closed:
             raise SessionClosed("the session was closed (by its client or by expiry); reopen it")
         tokens, parents = request.tree.tokens, request.tree.parents
-        key = (request.seq, tuple(tokens), tuple(parents))
+        key = _request_key(request)
         if session.last_request == key and session.last_response is not None:
             self._count("replays")
             return session.last_response.model_copy(update={"replayed": True})

@@ -350,10 +350,7 @@ class RemoteDraftingClient:
 
     def _send(self, run: RunState, seq: int, tree: DraftTree, draft_s: float | None, after: Round | None = None) -> Round:
         run.rounds += 1
-        body = {"seq": seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)},
-                "round": run.rounds, "after": None if after is None else after.id}
-        return Round(run.rounds, seq, tree, self.sender.send(run.session_id, body), time.perf_counter(), draft_s,
-                     after=None if after is None else after.id, chained=after is not None)
+        return self.sender.send(run.session_id, run.rounds, seq, tree, draft_s, after)
 
     def _pipeline(self, run: RunState, max_nodes: int, context: int | None) -> None:
         """Send rounds behind the chains in flight while one more pays (pipeline.py), up to
@@ -363,15 +360,16 @@ class RemoteDraftingClient:
             last = run.inflight[-1]
             chain = drafted_chain(run.inflight)
             seq, end = last.seq + last.tree.size, run.nv + len(chain)  # the new root's position, and its index + 1
-            room = max_nodes if context is None else min(max_nodes, context - 1 - seq)
-            depth = min(run.controller.choose(limit=run.max_tokens - end), room)
-            if last.draft_s is None or not last.is_chain or run.eos in chain or end >= run.max_tokens or depth < 1:
+            if last.draft_s is None or not last.is_chain or run.eos in chain or end >= run.max_tokens:
                 return
-            controller = run.controller
+            controller, room = run.controller, max_nodes if context is None else min(max_nodes, context - 1 - seq)
+            depth = min(controller.choose(limit=run.max_tokens - end), room)
+            saved = controller.flight_time(depth)
+            if depth < 1 or not pipeline_pays(controller.rate, len(chain), saved, 0.0):
+                return  # not even a round that costs nothing to draft
             t0 = time.perf_counter()
             new = lookup_ahead(self.retrieval, run.prompt + run.out[: run.nv - 1], chain, depth + 1)
-            if not pipeline_pays(controller.rate, len(chain), controller.flight_time(depth),
-                                 0.0 if new else controller.draft_time(depth + 1)):
+            if not new and not pipeline_pays(controller.rate, len(chain), saved, controller.draft_time(depth + 1)):
                 return
             if not new:
                 for r in run.inflight:  # accepted from the verified state: the drafter is fed past it now

@@ -8,7 +8,7 @@ nothing run) otherwise; the client knows which from the earlier verdict and disc
 rounds behind it. Greedy and sampled output stay as without pipelining: a pipelined round is
 verified from the same state, with the same checks, as the round the client would have sent next.
 
-    RoundSender(transport, workers)   verify requests from worker threads (several in flight)
+    RoundSender(transport, workers)   rounds sent from worker threads (several in flight)
     Round                             one round in flight
     lookup_ahead(...)                 a round's tokens by lookup past the chains in flight (free)
     pipeline_pays(...)                whether one more round in flight pays (measured rates)
@@ -16,6 +16,7 @@ verified from the same state, with the same checks, as the round the client woul
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ class Round:
 
     @property
     def is_chain(self) -> bool:
-        return self.tree.size > 1 and list(self.tree.parents) == list(range(-1, self.tree.size - 1))
+        return self.tree.size > 1 and self.tree.is_chain
 
 
 def drafted_chain(rounds: Sequence[Round]) -> list[int]:
@@ -73,9 +74,16 @@ class RoundSender:
         self.transport = transport
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moa-verify")
 
-    def send(self, session_id: str, body: dict) -> Future:
-        return self.pool.submit(self.transport.call, "POST", f"/v1/sessions/{session_id}/verify", body,
-                                VerifyResponse, (404, 409))
+    def send(self, session_id: str, number: int, seq: int, tree: DraftTree, draft_s: float | None,
+             after: Round | None = None) -> Round:
+        """Round `number` of the session: `tree` at position `seq`, pipelined behind `after` if given
+        (its chain is then accepted from the verified state)."""
+        after_id = None if after is None else after.id
+        body = {"seq": seq, "tree": {"tokens": tree.tokens.tolist(), "parents": list(tree.parents)}, "round": number,
+                "after": after_id}
+        future = self.pool.submit(self.transport.call, "POST", f"/v1/sessions/{session_id}/verify", body,
+                                  VerifyResponse, (404, 409))
+        return Round(number, seq, tree, future, time.perf_counter(), draft_s, after=after_id, chained=after is not None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

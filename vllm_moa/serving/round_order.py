@@ -52,7 +52,7 @@ class RoundOrder:
 
     async def answered(self) -> None:
         """A round was answered: wake the requests waiting for it."""
-        if self._changed is None:
-            return
+        if self._changed is None or not self._waiting:
+            return  # nobody waits
         async with self._changed:
             self._changed.notify_all()

@@ -154,7 +154,7 @@ class VLLMBackend(SessionBackend):
         return first, self._sync(session, view.target_output(nodes), list(range(len(nodes))), request.sync_from)
 
     def _verify_round(self, session: BackendSession, seq: int, tree: DraftTree) -> tuple[list[int], int, SyncPayload]:
-        if self.live is not None and (_is_chain(tree) or self.driver.tree_chunks_unavailable is None):
+        if self.live is not None and (tree.is_chain or self.driver.tree_chunks_unavailable is None):
             done = self._live_round(session, seq, tree)
             if done is not None:
                 return done
@@ -178,7 +178,7 @@ class VLLMBackend(SessionBackend):
                     self._count("nodes_cut_at_block_end", tree.size - limit)
                     order = order[:limit]
             work = _subtree(tree, order)
-            chain = _is_chain(work)
+            chain = work.is_chain
             base = min(live.valid, seq)  # the request's tokens that stay; session.tokens[base:seq] come again
             waiter = _Waiter(verify=True, external=live.external, first=not live.started)
             spec = {"key": waiter.key, "rows_from": seq, "logits_from": seq, "logits": session.sampling is not None}
@@ -314,10 +314,6 @@ def _within_block(tree: DraftTree, seq: int, block_size: int) -> list[int]:
     cache, so a prompt ending in the root's block computes every position from the root on."""
     limit = block_size - 1 - seq % block_size
     return [i for i in range(tree.size) if tree.depths[i] <= limit]
-
-
-def _is_chain(tree: DraftTree) -> bool:
-    return all(p == i - 1 for i, p in enumerate(tree.parents))
 
 
 def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
