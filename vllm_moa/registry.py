@@ -60,6 +60,10 @@ def _nothing(drafter: Any, config: Any) -> None:
     return None
 
 
+def _always(drafter: Any) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     name: str
@@ -69,6 +73,10 @@ class DrafterKind:
     runtime_session: Callable[[Any, Any], Any] | None = None
     client_session: Callable[[Any, Any], Any] | None = None
     server_sync: Callable[..., None] | None = None
+    # whether server_sync reads the target's final hidden states for this drafter (a server can
+    # make the sync rows of positions the prefix cache served, whose hidden states it never saw,
+    # only for a drafter that reads nothing but their K/V)
+    sync_reads_hidden: Callable[[Any], bool] = _always
     client_needs_target: bool = False
     declares_target: bool = True
     declares_lsa: bool = False

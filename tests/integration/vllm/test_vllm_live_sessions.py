@@ -50,12 +50,15 @@ def world():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and its scheduler) in this process
     target = TargetModel.from_pretrained(TARGET)
     drafter = load_drafter(DEMO / "moa-tli0", target).eval()
-    backend = VLLMBackend.from_pretrained(TARGET, {"moa-tli0": DEMO / "moa-tli0"}, max_model_len=1024,
-                                          block_size=BLOCK, enforce_eager=True)
-    reference = TransformersBackend(target, {"moa-tli0": load_drafter(DEMO / "moa-tli0", target).eval()})
+    eagle = load_drafter(DEMO / "eagle", target).eval()
+    backend = VLLMBackend.from_pretrained(TARGET, {"moa-tli0": DEMO / "moa-tli0", "eagle": DEMO / "eagle"},
+                                          max_model_len=1024, block_size=BLOCK, enforce_eager=True)
+    reference = TransformersBackend(target, {name: load_drafter(DEMO / name, target).eval()
+                                             for name in ("moa-tli0", "eagle")})
     try:
         yield {"backend": backend, "reference": reference, "target": target,
-               "declaration": open_local(drafter, target).declaration().model_dump()}
+               "declaration": open_local(drafter, target).declaration().model_dump(),
+               "eagle": open_local(eagle, target).declaration().model_dump()}
     finally:
         backend.shutdown()
         for key, value in saved.items():
@@ -71,9 +74,9 @@ def _counters():
     return dict(COUNTERS)
 
 
-def _open(world, backend, prompt):
+def _open(world, backend, prompt, drafter="declaration"):
     return backend.open(OpenRequest.model_validate(
-        {"prompt": prompt, "drafter": world["declaration"], "sampling": {"temperature": 0.0}}))
+        {"prompt": prompt, "drafter": world[drafter], "sampling": {"temperature": 0.0}}))
 
 
 def _chain(greedy, prompt_len, seq, depth, wrong_at, rng):
@@ -221,19 +224,39 @@ def test_with_fewer_seats_than_sessions_rounds_stay_exact_and_nothing_is_left_be
     assert grew["live_rounds"] > 0 and grew["live_rounds_without_a_seat"] > 0, grew
 
 
-def test_an_open_over_a_prompt_in_the_prefix_cache_runs_once(world):
-    """A MoA client's open wants the sync rows of the whole prompt: it does not read the prefix
-    cache (which holds the prompt after a first open), so it is never run a second time."""
+def test_an_open_over_a_prompt_in_the_prefix_cache_reads_its_rows_from_the_cache(world):
+    """A MoA client's open wants the sync rows of the whole prompt, which MoA makes from the
+    target's K/V alone: over a prompt the prefix cache holds (after a first open), the worker
+    reads the served blocks' K/V from the paged caches, so only the last block is computed and
+    nothing runs a second time; the rows are the transformers backend's."""
     backend, reference = world["backend"], world["reference"]
-    prompt = prompts()[6]  # 96 tokens: full blocks the cache can serve
+    prompt = prompts()[6]  # 90 tokens: full blocks the cache can serve
     first, _ = _open(world, backend, prompt)
     backend.close(first)
-    recomputes = backend.counters["recomputes"]
+    recomputes, from_cache = backend.counters["recomputes"], backend.counters["open_rows_from_cache"]
     again, opened = _open(world, backend, prompt)
     want = _open(world, reference, prompt)[1]
     assert backend.counters["recomputes"] == recomputes
+    # vLLM serves the full blocks before the last token's: 64 of the 90 positions
+    assert backend.counters["open_rows_from_cache"] - from_cache == (len(prompt) - 1) // BLOCK * BLOCK
     assert opened.first_token == want.first_token and opened.sync.count == want.sync.count == len(prompt)
     assert float((decode(opened.sync.rows) - decode(want.sync.rows)).abs().max()) < 1e-3
+    backend.close(again)
+
+
+def test_an_eagle_open_over_a_prompt_in_the_prefix_cache_runs_once(world):
+    """An EAGLE-style client's sync rows are the target's hidden states, which no cache holds: its
+    open does not read the prefix cache, so it is never run a second time either."""
+    backend, reference = world["backend"], world["reference"]
+    prompt = prompts()[6]
+    first, _ = _open(world, backend, prompt, "eagle")
+    backend.close(first)
+    recomputes, from_cache = backend.counters["recomputes"], backend.counters["open_rows_from_cache"]
+    again, opened = _open(world, backend, prompt, "eagle")
+    want = _open(world, reference, prompt, "eagle")[1]
+    assert (backend.counters["recomputes"], backend.counters["open_rows_from_cache"]) == (recomputes, from_cache)
+    assert opened.first_token == want.first_token and opened.sync.count == want.sync.count == len(prompt)
+    assert float((decode(opened.sync.hidden) - decode(want.sync.hidden)).abs().max()) < 1e-2  # fp16 on the wire
     backend.close(again)
 
 

@@ -37,6 +37,37 @@ def test_capture_lists_what_was_computed_in_position_order():
     assert unpack(out["logits"]).shape == (2, 5)
 
 
+def test_rows_read_from_the_prefix_cache_come_without_hidden_states():
+    """An open's positions the prefix cache served, read from it (K/V only): listed among the rows,
+    named in rows_without_hidden, and the view's TargetOutput then has no hidden states."""
+    capture = Capture(prompt_len=6, rows_from=0, logits_from=5, want_logits=False, cached_rows=True)
+    for p in range(4):  # what _read_cached_rows keeps
+        capture.keys[p], capture.values[p] = torch.full((2, 1, 3), float(p)), torch.full((2, 1, 3), -float(p))
+    _fill(capture, [4, 5])
+    out = capture.result()
+    assert out["row_positions"] == list(range(6)) and out["rows_without_hidden"] == [0, 1, 2, 3]
+    assert unpack(out["hidden"])[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 4.0, 5.0]
+    view = _RoundView(want_logits=False)
+    view.add(0, out, lambda p, pos: pos)
+    assert view.without_hidden == {0, 1, 2, 3}
+    assert view.target_output(list(range(6))).hidden_states[-1] is None
+    assert unpack(capture.result()["keys"])[:, 2].eq(2.0).all()
+    computed_only = view.target_output([4, 5])
+    assert computed_only.hidden_states[-1][0, :, 0].tolist() == [4.0, 5.0]
+
+
+def test_a_moa_drafter_without_final_hidden_rows_syncs_from_kv_alone():
+    """The kinds say whose sync rows a server can make from cached K/V: MoA's unless its rows read
+    the final hidden state; never EAGLE-style's (its rows are hidden states)."""
+    from vllm_moa import registry
+
+    moa, eagle = registry.get("moa"), registry.get("eagle")
+    plain = type("D", (), {"lsa": type("L", (), {"reads_final_hidden": False})()})()
+    with_final = type("D", (), {"lsa": type("L", (), {"reads_final_hidden": True})()})()
+    assert not moa.sync_reads_hidden(plain) and moa.sync_reads_hidden(with_final)
+    assert eagle.sync_reads_hidden(plain)
+
+
 def test_pack_round_trips_float32_tensors_as_bytes():
     x = torch.randn(3, 4, 5)
     packed = pack(x)

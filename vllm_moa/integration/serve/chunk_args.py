@@ -3,6 +3,7 @@ carried in its SamplingParams.extra_args, which the scheduler and the worker rea
 
     "moa_verify": {                # verify_service.py: capture what the target saw
         "key": str, "rows_from": int, "logits_from": int, "logits": bool,
+        "cached_rows": bool,       # K/V of wanted positions the prefix cache served, read from it
         "tree": {"root": int, "parents": [int, ...]},   # session_trees.py: the chunk ends in a tree
     }
     "moa_rollback_to": int         # session_scheduler.py: keep the request's first n tokens first

@@ -10,6 +10,7 @@ tokens. vLLM computes logits at a prompt's last position only, so the request as
         "rows_from": int,     # per-layer K/V and the final hidden state of positions rows_from..P-1
         "logits_from": int,   # the target's next-token argmax at positions logits_from..P-1
         "logits": bool,       # ... and the float32 logits there (sampled acceptance)
+        "cached_rows": bool,  # optional: K/V (no hidden state) of wanted positions the prefix cache served
         "tree": {...},        # optional: the positions from its root on are a draft tree (session_trees.py)
     }
 
@@ -19,7 +20,10 @@ the step's hidden states [N, E], its per-layer slot mapping and the request orde
 Positions are gathered as they are computed, so chunked prefill and recomputation after a
 preemption are covered; positions served from the prefix cache are never computed here, and a
 capture lists the positions it has (the backend asks again without reading the prefix cache for
-what no request of the round computed).
+what no request of the round computed). With "cached_rows", the K/V of wanted positions the prefix
+cache served are read from the paged caches through the request's block table (their slots
+checked against the step's own slot mapping), without a hidden state (`rows_without_hidden`): a
+MoA client's open over a prompt other sessions computed then runs only the prompt's last block.
 
 A live session's tree chunk is computed under the tree mask (session_trees.py, planned in the
 runner's `_prepare_inputs`); its capture is read here alike, and says `tree_split` when the
@@ -64,18 +68,23 @@ class Capture:
     argmax: dict[int, int] = field(default_factory=dict)
     logits: dict[int, Tensor] = field(default_factory=dict)  # [V]
     tree_split: bool = False  # a tree chunk split across steps: its node rows lack the tree mask
+    cached_rows: bool = False  # wanted positions the prefix cache served are read from it (K/V only)
 
     def result(self) -> dict[str, Any]:
         """What was computed, in position order: `row_positions` with their hidden states [n, E]
         and K/V [L, n, H_kv, d]; `head_positions` with the argmax there (and logits [m, V]).
-        A wanted position served from the prefix cache is missing from both lists."""
-        rows = [p for p in range(self.rows_from, self.prompt_len) if p in self.hidden]
+        A wanted position served from the prefix cache is missing from both lists, unless read from
+        the cache (`cached_rows`): then its row is listed, its hidden state zero, and its position
+        in `rows_without_hidden`."""
+        rows = [p for p in range(self.rows_from, self.prompt_len) if p in self.keys]
         heads = [p for p in range(self.logits_from, self.prompt_len)
                  if p in self.argmax and (not self.want_logits or p in self.logits)]
         out: dict[str, Any] = {"row_positions": rows, "head_positions": heads,
                                "argmax": [self.argmax[p] for p in heads]}
         if rows:
-            out["hidden"] = pack(torch.stack([self.hidden[p] for p in rows]))  # [n, E]
+            width = next(iter(self.hidden.values())).shape[0] if self.hidden else 0
+            out["hidden"] = pack(torch.stack([self.hidden.get(p, torch.zeros(width)) for p in rows]))  # [n, E]
+            out["rows_without_hidden"] = [p for p in rows if p not in self.hidden]
             out["keys"] = pack(torch.stack([self.keys[p] for p in rows], dim=1))  # [L, n, H_kv, d]
             out["values"] = pack(torch.stack([self.values[p] for p in rows], dim=1))
         if self.want_logits and heads:
@@ -111,6 +120,9 @@ class _TargetLayers:
             raise RuntimeError(f"the target's layers run on several attention backends: {sorted(backends)}")
         self.backend = backends.pop()
         self.layout = compat.kv_layout_for_backend(self.backend, isas.pop() if len(isas) == 1 else None)
+        groups = {name: g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                  for name in group.layer_names}
+        self.groups = [groups[name] for name in self.names]  # each layer's KV-cache group
 
     @classmethod
     def of(cls, runner: Any) -> _TargetLayers:
@@ -163,15 +175,18 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, trees: Sess
     last = min(prompt_len, computed + count)  # prompt positions computed this step: [first, last)
     capture = _CAPTURES.get(key)
     if capture is None:
-        capture = _CAPTURES[key] = Capture(prompt_len, rows_from, logits_from, bool(spec.get("logits")))
+        capture = _CAPTURES[key] = Capture(prompt_len, rows_from, logits_from, bool(spec.get("logits")),
+                                           cached_rows=bool(spec.get("cached_rows")))
         while len(_CAPTURES) > MAX_CAPTURES:
             _CAPTURES.popitem(last=False)
     if trees is not None and trees.was_split(key):
         capture.tree_split = True
+    flat = torch.arange(start + first - computed, start + last - computed, device=state.hidden_states.device)
+    if capture.cached_rows and computed > capture.rows_from and first < last:
+        _read_cached_rows(runner, state, layers, index, computed, flat[0], capture)
     if first >= last:
         return
     positions = list(range(first, last))
-    flat = torch.arange(start + first - computed, start + last - computed, device=state.hidden_states.device)
     hidden = state.hidden_states.index_select(0, flat)  # [m, E]
     heads = [i for i, p in enumerate(positions) if p >= capture.logits_from]
     if heads:
@@ -195,6 +210,33 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, trees: Sess
         for j, i in enumerate(rows):
             p = positions[i]
             capture.hidden[p], capture.keys[p], capture.values[p] = hidden_rows[j], keys_t[j], values_t[j]
+
+
+def _read_cached_rows(runner: Any, state: Any, layers: _TargetLayers, index: int, computed: int, first_flat: Tensor,
+                      capture: Capture) -> None:
+    """K/V of the wanted positions before `computed` (the prefix cache served them) that the capture
+    lacks, read through the request's block table; the slot it gives the step's first computed
+    position must be the one the step wrote, or nothing is read (the round then computes them)."""
+    missing = [p for p in range(capture.rows_from, computed) if p not in capture.keys]
+    if not missing:
+        return
+    wanted = torch.tensor([*missing, computed])
+    keys, values, slots_of = [], [], {}
+    for name, layer, group in zip(layers.names, layers.layers, layers.groups):
+        if group not in slots_of:
+            table = runner.input_batch.block_table[group]
+            row = torch.from_numpy(table.get_numpy_array()[index])  # [max_blocks] block ids
+            slots = row[wanted // table.block_size].long() * table.block_size + wanted % table.block_size
+            if int(slots[-1]) != int(state.slot_mappings[name][first_flat]):
+                raise RuntimeError("the block table does not give the step's own slot for its first computed "
+                                   "position: cached positions not read")
+            slots_of[group] = slots[:-1].to(layer.kv_cache.device)
+        k, v = gather_slots(layer.kv_cache, slots_of[group], layers.layout)  # [m, H_kv, d]
+        keys.append(k.float().cpu())
+        values.append(v.float().cpu())
+    keys_t, values_t = torch.stack(keys, dim=1), torch.stack(values, dim=1)  # [m, L, H_kv, d]
+    for j, p in enumerate(missing):
+        capture.keys[p], capture.values[p] = keys_t[j], values_t[j]
 
 
 def take(keys: list[str]) -> dict[str, dict[str, Any]]:

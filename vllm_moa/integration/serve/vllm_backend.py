@@ -19,8 +19,12 @@ that end in the KV block of its root (`_within_block`: a prompt that filled that
 it in the prefix cache, leaving its positions uncomputed; the nodes cut count as rejected,
 `counters["nodes_cut_at_block_end"]`); the same holds for a live request's first chunk. A round
 whose draft positions were still served from the prefix cache is run again without reading the
-cache (`counters["recomputes"]`); an open whose sync rows start in the prompt's full blocks does
-not read it at all (a system prompt other sessions share would otherwise make it run twice).
+cache (`counters["recomputes"]`). An open whose sync rows start in the prompt's full blocks reads
+the prefix cache when the client's drafter needs only the target's K/V there (MoA without
+final_hidden_rows): the worker reads the served positions' K/V from the paged caches, so a prompt
+other sessions computed (a shared system prompt, a reopened session) runs only its last block
+(`counters["open_rows_from_cache"]`); for a drafter that reads hidden states (EAGLE-style) it
+does not read the cache at all (the prompt would otherwise run twice).
 
 Either way the worker hook (verify_service.py) returns the target's argmax (and logits, when
 sampling) at the draft's positions and the per-layer K/V and final hidden states there;
@@ -138,10 +142,14 @@ class VLLMBackend(SessionBackend):
         sync_rows = session.kind.server_sync is not None
         rows_from = request.sync_from if sync_rows else n
         logits_from = n if request.pending is not None else n - 1
-        # rows wanted in a full block, which the prefix cache could serve uncomputed: not read from it
-        read_cache = rows_from >= (n - 1) // self._block_size * self._block_size
+        # rows wanted in a full block, which the prefix cache could serve uncomputed: read from it
+        # (their K/V) for a drafter that reads no hidden state there, else not read at all
+        cached_rows = sync_rows and rows_from < n and not session.kind.sync_reads_hidden(session.drafter)
+        read_cache = cached_rows or rows_from >= (n - 1) // self._block_size * self._block_size
         view = self._round([prompt], rows_from, logits_from, session.sampling is not None and request.pending is None,
-                           lambda p, pos: pos, read_cache)
+                           lambda p, pos: pos, read_cache, cached_rows)
+        if cached_rows and view.without_hidden:
+            self._count("open_rows_from_cache", len(view.without_hidden))
         if request.pending is not None:
             first = request.pending
         elif session.sampling is None:
@@ -226,13 +234,15 @@ class VLLMBackend(SessionBackend):
         return path, nxt, self._sync(session, view.target_output(path), list(range(len(path))), seq)
 
     def _round(self, prompts: list[list[int]], rows_from: int, logits_from: int, want_logits: bool,
-               node_of: Callable[[int, int], int], read_cache: bool = True) -> _RoundView:
+               node_of: Callable[[int, int], int], read_cache: bool = True, cached_rows: bool = False) -> _RoundView:
         """One vLLM request per prompt, all in flight together; prompt p's position pos is node
         node_of(p, pos) (a tree's paths share nodes). Nodes that no capture holds (their
-        positions were served from the prefix cache) are asked again without the cache."""
+        positions were served from the prefix cache, and not read from it: `cached_rows`) are
+        asked again without the cache."""
         def submit(prompt: list[int], skip_cache: bool) -> _Waiter:
             waiter = _Waiter(verify=True)
-            spec = {"key": waiter.key, "rows_from": rows_from, "logits_from": logits_from, "logits": want_logits}
+            spec = {"key": waiter.key, "rows_from": rows_from, "logits_from": logits_from, "logits": want_logits,
+                    "cached_rows": cached_rows}
             return self.driver.submit(waiter, prompt, self._params({VERIFY_ARG: spec}, skip_cache))
 
         view = _RoundView(want_logits)
@@ -343,12 +353,17 @@ class _RoundView:
         self.want_logits = want_logits
         self.rows: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self.heads: dict[int, tuple[int, Tensor | None]] = {}
+        self.without_hidden: set[int] = set()  # nodes whose K/V the prefix cache gave (no hidden state)
 
     def add(self, p: int, capture: dict, node_of: Callable[[int, int], int]) -> None:
         if capture["row_positions"]:
             hidden, keys, values = unpack(capture["hidden"]), unpack(capture["keys"]), unpack(capture["values"])
+            cached = set(capture.get("rows_without_hidden", ()))
             for k, pos in enumerate(capture["row_positions"]):
-                self.rows.setdefault(node_of(p, pos), (hidden[k], keys[:, k], values[:, k]))
+                if node_of(p, pos) not in self.rows:
+                    self.rows[node_of(p, pos)] = (hidden[k], keys[:, k], values[:, k])
+                    if pos in cached:
+                        self.without_hidden.add(node_of(p, pos))
         logits = unpack(capture["logits"]) if self.want_logits and capture["head_positions"] else None
         for k, pos in enumerate(capture["head_positions"]):
             self.heads.setdefault(node_of(p, pos), (capture["argmax"][k], None if logits is None else logits[k]))
@@ -361,10 +376,12 @@ class _RoundView:
 
     def target_output(self, nodes: list[int]) -> TargetOutput:
         """The nodes' rows, in order, as a TargetOutput over those tokens: per-layer K/V
-        L x [1, H_kv, n, d] and final post-norm hidden states [1, n, E] (no logits: not needed)."""
-        hidden = torch.stack([self.rows[node][0] for node in nodes])  # [n, E]
+        L x [1, H_kv, n, d] and final post-norm hidden states [1, n, E] (None when a node's row came
+        from the prefix cache; no logits: not needed)."""
+        hidden = None if self.without_hidden.intersection(nodes) else \
+            torch.stack([self.rows[node][0] for node in nodes]).unsqueeze(0)  # [1, n, E]
         keys = torch.stack([self.rows[node][1] for node in nodes], dim=2)  # [L, H_kv, n, d]
         values = torch.stack([self.rows[node][2] for node in nodes], dim=2)
-        return TargetOutput(logits=None, hidden_states=[None] * keys.shape[0] + [hidden.unsqueeze(0)],
+        return TargetOutput(logits=None, hidden_states=[None] * keys.shape[0] + [hidden],
                             keys=[k.unsqueeze(0) for k in keys.unbind(0)],
                             values=[v.unsqueeze(0) for v in values.unbind(0)])

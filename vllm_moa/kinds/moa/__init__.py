@@ -29,6 +29,7 @@ MOA = register(DrafterKind(
     runtime_session=MoASession,
     client_session=LocalMoA,
     server_sync=server_sync,
+    sync_reads_hidden=lambda drafter: drafter.lsa.reads_final_hidden,
     client_needs_target=True,
     declares_lsa=True,
     training_options=lambda config: {"tli": config.tli},

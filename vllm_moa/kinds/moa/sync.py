@@ -17,7 +17,8 @@ def server_sync(payload: SyncPayload, out: TargetOutput, index: Tensor, encoding
     (`served`), plus the last TLI layers' K/V [tli, H_kv, n, d]."""
     keys = [k.index_select(2, index) for k in out.keys]  # L x [1, H_kv, n, d]
     values = [v.index_select(2, index) for v in out.values]
-    final = out.hidden_states[-1].index_select(1, index)  # [1, n, E] (read with final_hidden_rows)
+    final = out.hidden_states[-1]  # [1, n, E] (read with final_hidden_rows; None: rows the prefix cache served)
+    final = None if final is None else final.index_select(1, index)
     payload.rows = encode(served.rows_from_kv(keys, values, final)[0], encoding)  # [n, E]
     if served.tli > 0:
         first = len(keys) - served.tli
