@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+import torch
 from serving_utils import CLI, DRAFTER_KINDS, cli_server, running_server, tiny_drafters
 from tiny_models import make_target
 
@@ -260,3 +261,47 @@ def test_a_client_asked_for_trees_drafts_the_tree_or_a_chain_by_measured_speed(w
     with _client(world, world["drafters"]["moa-tli0"], tree_top_k=3, lookup=False, chain_if_faster=False) as client:
         result = client.generate(prompt, 48)
     assert result.token_ids == expected and set(result.shape_rounds) == {"tree"}
+
+
+def test_a_windowed_moa_client_asks_only_for_the_rows_it_reads(world, monkeypatch):
+    """A MoA drafter with an attention window W (TLI 0) reads only the last W verified rows, and
+    rows only grow: its open asks the server for the prompt's last W rows (`sync_from`) and keeps
+    zeros in the rows' place before them. It drafts exactly as a session given every row (the
+    logits, step after step), and the client's output is the target's greedy output with the same
+    rounds, for fewer bytes."""
+    import copy
+
+    from vllm_moa.kinds.moa.client import LocalMoA
+    from vllm_moa.serving.local import decode_sync
+    from vllm_moa.serving.protocol import OpenRequest
+
+    target, backend = world["target"], world["backend"]
+    drafter = copy.deepcopy(world["drafters"]["moa-tli0"])
+    drafter.attention_window = 32
+    prompt = [3 + (7 * i) % 50 for i in range(70)]
+    sessions = []
+    for windowed in (False, True):
+        local = open_local(drafter, target)
+        rows_from = local.rows_wanted_from(len(prompt)) if windowed else 0
+        session, opened = backend.open(OpenRequest.model_validate(
+            {"prompt": prompt, "drafter": local.declaration().model_dump(), "sync_from": rows_from}))
+        backend.close(session)
+        local.start(prompt, decode_sync(opened.sync, target.dtype, target.device, target.signature))
+        sessions.append((local, opened.first_token, opened.sync.count))
+    (every_row, first, _), (windowed, _, rows_sent) = sessions
+    assert rows_sent == 32 and windowed.verified == every_row.verified == len(prompt)
+    chain = [first]
+    for _ in range(6):
+        want, got = every_row._chain_logits(chain[-1:]), windowed._chain_logits(chain[-1:])
+        assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
+        chain.append(int(want.argmax()))
+
+    expected = plain_greedy_generate(target, prompt, 24).token_ids
+    with _client(world, drafter, num_draft=4, lookup=False) as client:
+        asked = client.generate(prompt, 24)
+    monkeypatch.setattr(LocalMoA, "rows_wanted_from", lambda self, prompt_len: 0)
+    with _client(world, drafter, num_draft=4, lookup=False) as client:
+        all_rows = client.generate(prompt, 24)
+    assert asked.token_ids == all_rows.token_ids == expected
+    assert asked.accepted_per_verify == all_rows.accepted_per_verify
+    assert asked.bytes_received < all_rows.bytes_received

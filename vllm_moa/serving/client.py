@@ -219,11 +219,12 @@ class RemoteDraftingClient:
             self._close_session(run)
 
     def _open(self, run: RunState) -> int:
+        rows_from = run.local.rows_wanted_from(len(run.prompt))  # a windowed MoA drafter reads the last W rows
         body = {"prompt": run.prompt, "drafter": run.local.declaration().model_dump(), "encoding": self.encoding,
-                "sampling": self.sampling_body(run)}
+                "sampling": self.sampling_body(run), **({"sync_from": rows_from} if rows_from else {})}
         response = self.transport.call("POST", "/v1/sessions", body, OpenResponse)
         run.result.server_seconds += response.server_ms / 1e3
-        sync = self._decode(response.sync, 0, len(run.prompt))
+        sync = self._decode(response.sync, rows_from, len(run.prompt) - rows_from)
         first = self.checked_token(response.first_token, "first token")
         with payload_errors():
             run.local.start(run.prompt, sync)

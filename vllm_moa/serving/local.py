@@ -107,6 +107,11 @@ class LocalDrafting:
             logits = self._chain_logits([token])
             self.fed.append(token)
 
+    def rows_wanted_from(self, prompt_len: int) -> int:
+        """The first prompt position whose sync rows the drafter will ever read (its open asks the
+        server for rows from there, `OpenRequest.sync_from`): 0, all of them, unless a kind says less."""
+        return 0
+
     def _chain_logits(self, tokens: list[int]) -> Tensor:
         raise NotImplementedError
 

@@ -41,7 +41,18 @@ class LocalMoA(MoASession, LocalDrafting):
         self.drafter.extend_rows(self.state, sync.rows, sync.tli_keys or [], sync.tli_values or [])
         self.verified = self.state.num_verified
 
+    def rows_wanted_from(self, prompt_len: int) -> int:
+        """With an attention window W (and TLI = 0: the TLI layers read every position), CA reads
+        only the last W verified rows, and the rows only grow: rows before prompt_len - W are never read."""
+        window = self.drafter.attention_window
+        return max(0, prompt_len - window) if window and self.drafter.tli == 0 else 0
+
     def start(self, prompt: list[int], sync: SyncTensors) -> None:
+        if sync.start > self.state.num_verified and sync.count:  # rows no query reads (rows_wanted_from): zeros,
+            self._check(sync)  # so that every row keeps its position
+            skipped = torch.zeros(1, sync.start - self.state.num_verified, sync.rows.shape[-1],
+                                  dtype=sync.rows.dtype, device=sync.rows.device)
+            self.drafter.extend_rows(self.state, skipped, [], [])
         self._extend(sync)
         self.drafter.feed(self.state, torch.tensor([prompt], device=self.device), self.target)
 
