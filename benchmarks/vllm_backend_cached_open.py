@@ -11,7 +11,7 @@ shipped) is the system message of a chat; per article and drafter:
     question   the same article + another question: the article's blocks are cached
     reopen     the first prompt again (a client reconnecting): all but the last block cached
 
-in three series, each over prompts of its own (the article with a mark of its own), so that none
+in three series, each over prompts of its own (a mark of its own before the article), so that none
 finds another's blocks:
 
     moa-tli0-all-rows   the MoA client asking for every row (sync_from 0)
@@ -50,7 +50,8 @@ QUESTIONS = ("Who is this article about?", "List the places the article names.")
 CASES = ("cold", "question", "reopen")
 DRAFTERS = ("moa-tli0", "eagle")
 # series -> (the drafter, whether its open asks only for the rows the client reads, its prompts' mark)
-SERIES = {"moa-tli0-all-rows": ("moa-tli0", False, ""), "moa-tli0": ("moa-tli0", True, "!"), "eagle": ("eagle", False, "?")}
+SERIES = {"moa-tli0-all-rows": ("moa-tli0", False, "A. "), "moa-tli0": ("moa-tli0", True, "B. "),
+          "eagle": ("eagle", False, "C. ")}
 LABELS = {"moa-tli0-all-rows": "MoA, every row (reads cached K/V)",
           "moa-tli0": "MoA, as its client asks (last 256 rows)", "eagle": "EAGLE-style (computes all)"}
 
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
         timed_open("moa-tli0", chat(tokenizer, "warm-up", "Hello?"))  # the engine's first steps
         for a, article in enumerate(articles):
             for series, (name, as_client, mark) in SERIES.items():  # each its own prompts: no blocks of another's
-                first, second = (chat(tokenizer, article + mark, q) for q in QUESTIONS)
+                first, second = (chat(tokenizer, mark + article, q) for q in QUESTIONS)
                 cold, row = timed_open(name, first, as_client)
                 opens.append({"article": a, "drafter": series, "case": "cold", "prompt_tokens": len(first),
                               "rows_sent": cold.sync.count, **row})
