@@ -13,7 +13,8 @@ follows the measured round-trip time and acceptance (serving/adaptive.py). A cli
 trees drafts each round the tree or a chain, whichever has measured more tokens per second
 (`chain_if_faster`, as the vLLM engine's moa_tree option: decoding/speed_control.FasterShape, each
 shape with its own depth controller). A session's first round drafts no further than the server
-verifies it (/v1/info `kv_block_size`: the root's KV block on the vLLM backend).
+verifies it (/v1/info `kv_block_size`: the root's KV block on the vLLM backend). A session's open
+asks only for the sync rows the drafter will read (`rows_wanted_from`: a windowed MoA's last W).
 
 Lost connection (timeout, refused, reset, truncated response, 5xx): the client goes offline and
 keeps drafting alone, emitting `unverified` tokens, retrying with exponential backoff (jittered,
