@@ -4,6 +4,9 @@
         [--categories writing humanities] [--num-prompts 8] [--max-new-tokens 1536] [--bin 128] \
         [--windows 256] [--no-lookup]
     python -m benchmarks.long_generation_acceptance ... --set sum --categories summarization   # long prompts
+    python -m benchmarks.long_generation_acceptance ... --categories writing humanities coding --spread \
+        --max-new-tokens 2048 --windows 256 --out ...   # hours: each finished run is kept in --log
+                                                       # (out.runs.json); run it again to resume
 
 Drafters' acceptance is reported to decay over a few thousand output tokens (DFlash, EAGLE-3,
 PARD); MoA reads the target's own KV cache at every layer, so it may hold up better. Both shipped
@@ -41,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.provenance import ROOT, provenance  # noqa: E402
+from benchmarks.run_log import RunLog  # noqa: E402
 from vllm_moa.chat import encode_prompt  # noqa: E402
 from vllm_moa.decoding.engine import SpeculativeEngine  # noqa: E402
 from vllm_moa.decoding.results import GenerationResult  # noqa: E402
@@ -54,13 +58,19 @@ from vllm_moa.targets import fetch_smollm2  # noqa: E402
 TRAINED_MAX_LENGTH = 320  # the longest sequence either shipped drafter trained on (assets/smollm2/README.md)
 
 
-def read_questions(path: Path, categories: list[str], count: int) -> list[str]:
-    """The first turn of the first `count` Spec-Bench questions whose category is one of those given."""
+def read_questions(path: Path, categories: list[str], count: int, spread: bool = False) -> list[str]:
+    """The first turn of the first `count` Spec-Bench questions whose category is one of those given
+    (`spread`: taken from the categories in turn, the first of each, then the second, ...)."""
+    by_category: dict[str, list[str]] = {c: [] for c in categories}
     questions = []
     for line in path.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         if record.get("category") in categories:
             questions.append(record["turns"][0])
+            by_category[record["category"]].append(record["turns"][0])
+    if spread:
+        questions = [q for i in range(max(map(len, by_category.values()), default=0))
+                     for c in categories if i < len(by_category[c]) for q in [by_category[c][i]]]
     if len(questions) < count:
         raise SystemExit(f"{path} has {len(questions)} questions in {categories}, {count} asked for")
     return questions[:count]
@@ -105,16 +115,22 @@ def main() -> None:
                              "after loading: a mask, no weight changes)")
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="also run each model drafter's tree with n-gram lookup merged in")
+    parser.add_argument("--spread", action="store_true", help="prompts from the categories in turn (else in file order)")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "benchmarks" / "results" / "long_generation_acceptance_smollm2.json")
+    parser.add_argument("--log", type=Path, help="finished runs, kept as they finish: a run resumes from it "
+                                                 "(default: --out with .runs.json; commit it to resume elsewhere)")
     args = parser.parse_args()
 
     origin = provenance(torch_threads=torch.get_num_threads())  # at the start: the code that runs
     folder = fetch_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     target = TargetModel.from_pretrained(folder)
-    texts = read_questions(args.specbench / args.set / "question.jsonl", args.categories, args.num_prompts)
+    texts = read_questions(args.specbench / args.set / "question.jsonl", args.categories, args.num_prompts, args.spread)
     prompts = [encode_prompt(tokenizer, t) for t in texts]
+    log = RunLog(args.log or args.out.with_suffix(".runs.json"),
+                 {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "chain": args.chain, "tree": args.tree,
+                  "drafters": args.drafters, "windows": args.windows, "lookup": args.lookup})
     drafters = {Path(n).name: load_drafter(drafter_path(n), target).eval() for n in args.drafters}
     for n in [n for n in args.drafters if hasattr(drafters[Path(n).name], "attention_window")]:
         for window in args.windows:
@@ -125,7 +141,9 @@ def main() -> None:
     shapes = {f"chain K={args.chain}": DraftSpec.chain(args.chain), f"tree d={tree.depth} k={tree.top_k} b={tree.budget}": tree}
 
     started = time.time()
-    reference = [r.token_ids for r in SpeculativeEngine(target, None).generate(prompts, args.max_new_tokens)]
+    if "reference" not in log.values:
+        log.keep("reference", [r.token_ids for r in SpeculativeEngine(target, None).generate(prompts, args.max_new_tokens)])
+    reference = log.values["reference"]
     end_of_turn = tokenizer.eos_token_id
     ends = [ids.index(end_of_turn) + 1 if end_of_turn in ids else len(ids) for ids in reference]
     print(f"plain greedy done in {time.time() - started:.0f} s; first end of turn at {ends}", flush=True)
@@ -135,9 +153,14 @@ def main() -> None:
     runs += [(f"{name} + lookup", drafter, shape, tree, Retrieval()) for name, drafter in drafters.items()
              if name != "ngram" and args.lookup for shape, spec in shapes.items() if spec is tree]
     for drafter_name, drafter, shape_name, spec, retrieval in tqdm(runs):
-        results = SpeculativeEngine(target, drafter, spec, retrieval=retrieval).generate(prompts, args.max_new_tokens)
-        if [r.token_ids for r in results] != reference:
-            raise AssertionError(f"{drafter_name}/{shape_name}: output differs from greedy decoding")
+        key = f"{drafter_name}/{shape_name}"
+        if not log.has(key):  # each finished run is kept at once (the log): a restart skips it
+            results = SpeculativeEngine(target, drafter, spec, retrieval=retrieval).generate(prompts, args.max_new_tokens)
+            if [r.token_ids for r in results] != reference:
+                raise AssertionError(f"{key}: output differs from greedy decoding")
+            log.add(key, {"accepted_per_forward": [r.accepted_per_forward for r in results]})
+        results = [GenerationResult(token_ids=[], accepted_per_forward=accepted)
+                   for accepted in log.row(key)["accepted_per_forward"]]
         forwards = sum(len(r.accepted_per_forward) for r in results)
         rows.append({"drafter": drafter_name, "draft": shape_name,
                      "acceptance_length": round(sum(sum(r.accepted_per_forward) for r in results) / forwards, 3),
@@ -160,6 +183,7 @@ def main() -> None:
                                          "loading (SA reads the last w positions, CA the last w rows; trained "
                                          "without a window)"},
         "rows": rows, "wall_time_s": round(time.time() - started, 1),
+        "runs_made_at_commits": log.commits(),  # a resumed run's rows may come from several sessions
         "provenance": origin,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
