@@ -9,7 +9,7 @@ shipped) is the system message of a chat; per article and drafter:
     cold       the article + a first question, nothing cached (what every open whose rows
                started in full blocks cost before the cache was read)
     question   the same article + another question: the article's blocks are cached
-    reopen     the first prompt again (a client reconnecting): all but the last block cached
+    reopen     the first prompt opened again (a new session over it): all but the last block cached
 
 in three series, each over prompts of its own (a mark of its own before the article), so that none
 finds another's blocks:
@@ -96,11 +96,11 @@ def main(argv=None) -> dict:
     articles = read_articles(args.specbench / "sum" / "question.jsonl", args.articles)
     backend = VLLMBackend.from_pretrained(target_dir, {name: SHIPPED_SMOLLM2 / name for name in DRAFTERS}, **ENGINE)
 
-    windows = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target) for name in DRAFTERS}
+    clients = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target) for name in DRAFTERS}
 
     def timed_open(name: str, prompt: list[int], as_client: bool = False):
         before = backend.counters["open_rows_from_cache"]
-        rows_from = windows[name].rows_wanted_from(len(prompt)) if as_client else 0
+        rows_from = clients[name].rows_wanted_from(len(prompt)) if as_client else 0
         started = time.perf_counter()
         session, opened = backend.open(OpenRequest.model_validate(
             {"prompt": prompt, "drafter": declarations[name].model_dump(), "sampling": {"temperature": 0.0},

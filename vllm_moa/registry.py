@@ -60,7 +60,7 @@ def _nothing(drafter: Any, config: Any) -> None:
     return None
 
 
-def _always(drafter: Any) -> bool:
+def _reads_hidden_states(drafter: Any) -> bool:
     return True
 
 
@@ -76,7 +76,7 @@ class DrafterKind:
     # whether server_sync reads the target's final hidden states for this drafter (a server can
     # make the sync rows of positions the prefix cache served, whose hidden states it never saw,
     # only for a drafter that reads nothing but their K/V)
-    sync_reads_hidden: Callable[[Any], bool] = _always
+    sync_reads_hidden: Callable[[Any], bool] = _reads_hidden_states
     client_needs_target: bool = False
     declares_target: bool = True
     declares_lsa: bool = False

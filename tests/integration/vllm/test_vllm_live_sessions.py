@@ -242,6 +242,13 @@ def test_an_open_over_a_prompt_in_the_prefix_cache_reads_its_rows_from_the_cache
     assert opened.first_token == want.first_token and opened.sync.count == want.sync.count == len(prompt)
     assert float((decode(opened.sync.rows) - decode(want.sync.rows)).abs().max()) < 1e-3
     backend.close(again)
+    # a windowed client's open (the last 32 rows: sync_from), its rows served from the cache too
+    request = {"prompt": prompt, "drafter": world["declaration"], "sync_from": len(prompt) - 32}
+    windowed, opened = backend.open(OpenRequest.model_validate(request))
+    want = reference.open(OpenRequest.model_validate(request))[1]
+    assert backend.counters["recomputes"] == recomputes and opened.sync.count == want.sync.count == 32
+    assert float((decode(opened.sync.rows) - decode(want.sync.rows)).abs().max()) < 1e-3
+    backend.close(windowed)
 
 
 def test_an_eagle_open_over_a_prompt_in_the_prefix_cache_runs_once(world):

@@ -257,7 +257,8 @@ def test_an_engine_that_dies_is_reported_and_calls_fail_fast(world):
 
 def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behind(tmp_path):
     """`vllm-moa serve --backend vllm` on the demo target: a clear refusal of bad engine arguments
-    before anything loads; started, it serves a drafting client; SIGTERM ends it and vLLM's
+    before anything loads; started (with a small step budget: chunked prefill), it serves drafting
+    clients, a windowed one too, whose open wants rows past the first chunk; SIGTERM ends it and vLLM's
     engine-core processes with it (uvicorn re-raises the signal after its graceful shutdown)."""
     import socket
     import subprocess
@@ -284,7 +285,9 @@ def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behin
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    engine = '{"max_model_len": 512, "block_size": 32, "enforce_eager": true}'
+    # prompts longer than a step's token budget: chunked prefill (a chunk may end before the rows wanted)
+    engine = '{"max_model_len": 512, "block_size": 32, "enforce_eager": true, "max_num_batched_tokens": 64, ' \
+             '"max_num_seqs": 16}'
     from benchmarks.server_load import wait_ready  # health polled until 200; the log if it never comes
 
     log = (tmp_path / "server.log").open("w")
@@ -301,7 +304,24 @@ def test_serve_cli_with_the_vllm_backend_starts_answers_and_leaves_nothing_behin
 
         prompt = prompts()[5]
         with RemoteDraftingClient(url, load_drafter(DEMO / "moa-tli0", target).eval(), target) as client:
-            assert client.generate(prompt, 24).token_ids == _expected({"target": target}, prompt, 24)
+            result = client.generate(prompt, 24)
+        assert result.token_ids == _expected({"target": target}, prompt, 24)
+        assert result.failures == result.reopens == 0
+        # a windowed drafter's open asks for the last 32 rows only, of a prompt no request has run: its
+        # first chunk (64 tokens) ends before the rows wanted (from position len - 32)
+        windowed = load_drafter(DEMO / "moa-tli0", target).eval()
+        windowed.attention_window = 32
+        long_prompt = prompts()[6] + prompts()[4]
+        assert len(long_prompt) - 32 > 64
+        with RemoteDraftingClient(url, windowed, target) as client:
+            result = client.generate(long_prompt, 24)
+        assert result.token_ids == _expected({"target": target}, long_prompt, 24)
+        assert result.failures == result.reopens == 0
+        import httpx  # an open that failed is retried by the client, unseen: the server counts it
+
+        answered = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                    if line.startswith("vllm_moa_http_requests_total")]
+        assert answered and not [line for line in answered if 'status="5' in line], answered
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)

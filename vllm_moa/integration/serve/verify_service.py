@@ -120,9 +120,13 @@ class _TargetLayers:
             raise RuntimeError(f"the target's layers run on several attention backends: {sorted(backends)}")
         self.backend = backends.pop()
         self.layout = compat.kv_layout_for_backend(self.backend, isas.pop() if len(isas) == 1 else None)
-        groups = {name: g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups)
-                  for name in group.layer_names}
-        self.groups = [groups[name] for name in self.names]  # each layer's KV-cache group
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        # each layer's KV-cache group, for reading positions the prefix cache served (cached_rows);
+        # None when a layer has no group or one whose blocks do not hold every position (sliding windows)
+        full = {name: g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups)
+                if isinstance(group.kv_cache_spec, FullAttentionSpec) for name in group.layer_names}
+        self.groups: list[int] | None = [full[name] for name in self.names] if set(self.names) <= set(full) else None
 
     @classmethod
     def of(cls, runner: Any) -> _TargetLayers:
@@ -181,12 +185,12 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, trees: Sess
             _CAPTURES.popitem(last=False)
     if trees is not None and trees.was_split(key):
         capture.tree_split = True
-    flat = torch.arange(start + first - computed, start + last - computed, device=state.hidden_states.device)
-    if capture.cached_rows and computed > capture.rows_from and first < last:
-        _read_cached_rows(runner, state, layers, index, computed, flat[0], capture)
     if first >= last:
         return
+    if capture.cached_rows and computed > capture.rows_from:  # then first == computed: its flat index is start
+        _read_cached_rows(runner, state, layers, index, computed, start, capture)
     positions = list(range(first, last))
+    flat = torch.arange(start + first - computed, start + last - computed, device=state.hidden_states.device)
     hidden = state.hidden_states.index_select(0, flat)  # [m, E]
     heads = [i for i, p in enumerate(positions) if p >= capture.logits_from]
     if heads:
@@ -212,13 +216,15 @@ def _collect_request(runner: Any, state: Any, layers: _TargetLayers, trees: Sess
             capture.hidden[p], capture.keys[p], capture.values[p] = hidden_rows[j], keys_t[j], values_t[j]
 
 
-def _read_cached_rows(runner: Any, state: Any, layers: _TargetLayers, index: int, computed: int, first_flat: Tensor,
+def _read_cached_rows(runner: Any, state: Any, layers: _TargetLayers, index: int, computed: int, first_flat: int,
                       capture: Capture) -> None:
     """K/V of the wanted positions before `computed` (the prefix cache served them) that the capture
-    lacks, read through the request's block table; the slot it gives the step's first computed
-    position must be the one the step wrote, or nothing is read (the round then computes them)."""
+    lacks, read through the request's block table. Nothing is read (the backend then runs the round
+    again without the cache) where a layer's group may not hold every position (`groups` None), a
+    wanted position's block is vLLM's null block (0), or the table does not give the step's first
+    computed position the slot the step wrote."""
     missing = [p for p in range(capture.rows_from, computed) if p not in capture.keys]
-    if not missing:
+    if not missing or layers.groups is None:
         return
     wanted = torch.tensor([*missing, computed])
     keys, values, slots_of = [], [], {}
@@ -226,10 +232,10 @@ def _read_cached_rows(runner: Any, state: Any, layers: _TargetLayers, index: int
         if group not in slots_of:
             table = runner.input_batch.block_table[group]
             row = torch.from_numpy(table.get_numpy_array()[index])  # [max_blocks] block ids
-            slots = row[wanted // table.block_size].long() * table.block_size + wanted % table.block_size
-            if int(slots[-1]) != int(state.slot_mappings[name][first_flat]):
-                raise RuntimeError("the block table does not give the step's own slot for its first computed "
-                                   "position: cached positions not read")
+            blocks = row[wanted // table.block_size].long()
+            slots = blocks * table.block_size + wanted % table.block_size
+            if bool((blocks == 0).any()) or int(slots[-1]) != int(state.slot_mappings[name][first_flat]):
+                return
             slots_of[group] = slots[:-1].to(layer.kv_cache.device)
         k, v = gather_slots(layer.kv_cache, slots_of[group], layers.layout)  # [m, H_kv, d]
         keys.append(k.float().cpu())

@@ -22,7 +22,7 @@ whose draft positions were still served from the prefix cache is run again witho
 cache (`counters["recomputes"]`). An open whose sync rows start in the prompt's full blocks reads
 the prefix cache when the client's drafter needs only the target's K/V there (MoA without
 final_hidden_rows): the worker reads the served positions' K/V from the paged caches, so a prompt
-other sessions computed (a shared system prompt, a reopened session) runs only its last block
+other sessions computed (a shared system prompt, the same prompt opened again) runs only its last block
 (`counters["open_rows_from_cache"]`); for a drafter that reads hidden states (EAGLE-style) it
 does not read the cache at all (the prompt would otherwise run twice).
 

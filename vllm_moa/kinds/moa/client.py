@@ -43,7 +43,8 @@ class LocalMoA(MoASession, LocalDrafting):
 
     def rows_wanted_from(self, prompt_len: int) -> int:
         """With an attention window W (and TLI = 0: the TLI layers read every position), CA reads
-        only the last W verified rows, and the rows only grow: rows before prompt_len - W are never read."""
+        only the last W verified rows, and the rows only grow: rows before prompt_len - W are never read
+        (zeros stand in for them: the drafter's window must not widen during the session)."""
         window = self.drafter.attention_window
         return max(0, prompt_len - window) if window and self.drafter.tli == 0 else 0
 
