@@ -90,13 +90,11 @@ def main(argv=None) -> dict:
 
     target_dir = fetch_smollm2()
     target = TargetModel.from_pretrained(target_dir)
-    declarations = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target).declaration()
-                    for name in DRAFTERS}
+    clients = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target) for name in DRAFTERS}
+    declarations = {name: client.declaration() for name, client in clients.items()}
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     articles = read_articles(args.specbench / "sum" / "question.jsonl", args.articles)
     backend = VLLMBackend.from_pretrained(target_dir, {name: SHIPPED_SMOLLM2 / name for name in DRAFTERS}, **ENGINE)
-
-    clients = {name: open_local(load_drafter(SHIPPED_SMOLLM2 / name, target).eval(), target) for name in DRAFTERS}
 
     def timed_open(name: str, prompt: list[int], as_client: bool = False):
         before = backend.counters["open_rows_from_cache"]
