@@ -14,6 +14,10 @@ greedy, ignore_eos. By default a round's engines run one after another in one ch
 (engine_host.py), each its whole day; with --side-by-side they live together in this process
 (vLLM's engine core in-process) and take turns at every point, "none" first and last, so that
 the machine's drift between two engines' runs at a point is seconds' worth, not tens of minutes'.
+With --turns they take turns step by step instead (integration/serve/engine_turns.py): every
+engine of the round, two without speculation among them, runs the point at once, the one whose
+own clock is furthest behind stepping next, each timed only during its own steps, so that every
+engine meets the same machine speed (this machine's wanders by ±10% within seconds).
 
 Inside an engine: a warm-up pass, then one pass per concurrency c: the first max(c,
 --min-prompts) held-out chat prompts (repeated beyond the 16 shipped), in groups of c, each
@@ -51,12 +55,20 @@ from benchmarks.provenance import ROOT, provenance  # noqa: E402
 from benchmarks.vllm_cpu_engine import heldout_prompts_file, load_prompts  # noqa: E402
 from vllm_moa.integration.serve.engine_host import EngineHost  # noqa: E402
 from vllm_moa.integration.serve.engine_metrics import engine_collectors, show_only  # noqa: E402
+from vllm_moa.integration.serve.engine_turns import (  # noqa: E402
+    EngineTurns,
+    OwnClock,
+    TurnsResult,
+    attach_clock,
+    take_turns,
+)
 from vllm_moa.integration.serve.offline import (  # noqa: E402
     EngineResult,
     EngineRun,
     Meters,
     PassResult,
     RequestStreamSpec,
+    SpecDecodeCounters,
     StreamResult,
     build_llm,
     pass_sizes,
@@ -100,19 +112,21 @@ def stream_specs(args: argparse.Namespace) -> list[RequestStreamSpec]:
 def pass_record(done: PassResult) -> dict:
     tokens = sum(len(o) for o in done.outputs)
     return {"tokens_per_s": tokens / done.seconds, "seconds": done.seconds,
-            "inter_token_seconds": done.inter_token_seconds, "drafts": done.spec_decode.drafts,
-            "acceptance_length": done.spec_decode.acceptance_length if done.spec_decode.drafts else None,
-            "outputs": done.outputs}
+            "inter_token_seconds": done.inter_token_seconds, **draft_fields(done.spec_decode), "outputs": done.outputs}
 
 
-def stream_record(stream: StreamResult) -> dict:
+def stream_record(stream: StreamResult | TurnsResult, spec_decode: SpecDecodeCounters) -> dict:
+    """A stream's mean request latency, time per output token and to the first, its drafts."""
     latency = [f - a for f, a in zip(stream.finished, stream.arrival)]
     tpot = [(f - t) / max(1, len(o) - 1) for f, t, o in zip(stream.finished, stream.first_token, stream.outputs)]
     return {"mean_latency_s": statistics.mean(latency), "mean_time_per_output_token_s": statistics.mean(tpot),
             "mean_time_to_first_token_s": statistics.mean(t - a for t, a in zip(stream.first_token, stream.arrival)),
-            "seconds": stream.seconds, "drafts": stream.spec_decode.drafts,
-            "acceptance_length": stream.spec_decode.acceptance_length if stream.spec_decode.drafts else None,
-            "outputs": stream.outputs}
+            "seconds": stream.seconds, **draft_fields(spec_decode), "outputs": stream.outputs}
+
+
+def draft_fields(spec_decode: SpecDecodeCounters) -> dict:
+    return {"drafts": spec_decode.drafts,
+            "acceptance_length": spec_decode.acceptance_length if spec_decode.drafts else None}
 
 
 def point_record(result: EngineResult) -> dict:
@@ -153,9 +167,10 @@ def engines_side_by_side(target: str, prompts: list[list[int]], args: argparse.N
     CPU platform failed to build an engine in a process where an n-gram engine had been built.
     Each finished round's records (without tokens) are written beside --out as they come."""
     engines = []
+    one_round = turns_round if args.turns else side_by_side_round
     for round_index in range(args.rounds):
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            engines += pool.submit(side_by_side_round, target, prompts, args, streams, round_index).result()
+            engines += pool.submit(one_round, target, prompts, args, streams, round_index).result()
         args.out.with_suffix(".rounds.json").write_text(json.dumps(strip_outputs(engines)))  # what is done so far
     return engines
 
@@ -193,11 +208,84 @@ def side_by_side_round(target: str, prompts: list[list[int]], args: argparse.Nam
                 tokens, sampling = requests[name]
                 show_only(collectors[name])
                 done_stream, meters[name] = stream_result(built[name][0], tokens, sampling, stream, meters[name])
-                record["streams"][f"{stream.rate:g}"] = stream_record(done_stream)
+                record["streams"][f"{stream.rate:g}"] = stream_record(done_stream, done_stream.spec_decode)
     finally:
         for llm, _ in built.values():
             shutdown(llm)
     return records
+
+
+def turns_round(target: str, prompts: list[list[int]], args: argparse.Namespace,
+                streams: list[RequestStreamSpec], round_index: int) -> list[dict]:
+    """One round with --turns, in this process: an engine per position of the round's order (two
+    without speculation), each warmed up alone, then every point run by all of them at once,
+    taking turns step by step on their own clocks (engine_turns.py)."""
+    order = round_order(args, round_index)
+    configs = [None if name == NONE else CONFIGS[name] for name in order]
+    runs = [build_run(target, config, prompts, args, streams) for config in configs]
+    # vLLM's n-gram engines are built last (side_by_side_round says why)
+    build_order = sorted(range(len(order)), key=lambda i: bool(configs[i]) and configs[i].get("method") == "ngram")
+    built, collectors = {}, {}
+    for position in tqdm(build_order, desc=f"round {round_index + 1}/{args.rounds}: engines", file=sys.stderr):
+        built[position] = build_llm(runs[position])
+        collectors[position] = engine_collectors()
+    records = [{"round": round_index, "position": position, "name": name, "passes": {}, "streams": {},
+                "startup_seconds": built[position][1], "speculative_config": resolved_speculative_config(
+                    built[position][0].llm_engine.vllm_config.speculative_config)}
+               for position, name in enumerate(order)]
+    requests = [requests_of(run) for run in runs]
+    clocks = [OwnClock() for _ in order]
+    meters = [Meters() for _ in order]
+
+    def measured(position: int) -> Meters:
+        show_only(collectors[position])
+        return Meters.read(built[position][0])
+
+    try:
+        sizes = pass_sizes(runs[0])
+        for position, record in enumerate(records):  # the warm-up pass, alone; it installs K by measured speed
+            tokens, sampling = requests[position]
+            show_only(collectors[position])
+            _, meters[position] = run_pass(built[position][0], tokens[:sizes[0][1]], sampling[:sizes[0][1]],
+                                           sizes[0][0], meters[position])
+            record["own_clock"] = attach_clock(built[position][0], clocks[position])
+        for size, count in tqdm(sizes[1:], desc="passes", file=sys.stderr):
+            turns = [EngineTurns(built[p][0], requests[p][0][:count], requests[p][1][:count], clocks[p], group=size,
+                                 tag=f"c{size}") for p in range(len(order))]
+            for position, done in enumerate(take_turns(turns)):
+                now = measured(position)
+                records[position]["passes"][str(size)] = turns_pass_record(
+                    done, now.spec_decode.minus(meters[position].spec_decode))
+                meters[position] = now
+        for stream in tqdm(streams, desc="streams", file=sys.stderr):
+            count = len(stream.arrivals)
+            turns = []
+            for p in range(len(order)):
+                params = [s.clone() for s in requests[p][1][:count]]
+                for s, tokens in zip(params, stream.max_tokens):
+                    s.max_tokens = tokens
+                turns.append(EngineTurns(built[p][0], requests[p][0][:count], params, clocks[p],
+                                         arrivals=stream.arrivals, tag=f"s{stream.rate:g}"))
+            for position, done in enumerate(take_turns(turns)):
+                now = measured(position)
+                records[position]["streams"][f"{stream.rate:g}"] = {
+                    **stream_record(done, now.spec_decode.minus(meters[position].spec_decode)), **step_fields(done)}
+                meters[position] = now
+    finally:
+        for llm, _ in built.values():
+            shutdown(llm)
+    return records
+
+
+def turns_pass_record(done: TurnsResult, spec_decode: SpecDecodeCounters) -> dict:
+    """pass_record's fields for a pass run in turns: tokens/s on the engine's own clock, its steps'
+    median time (vLLM's time between outputs would include the other engines' steps)."""
+    return {"tokens_per_s": sum(len(o) for o in done.outputs) / done.seconds, "seconds": done.seconds,
+            "inter_token_seconds": None, **step_fields(done), **draft_fields(spec_decode), "outputs": done.outputs}
+
+
+def step_fields(done: TurnsResult) -> dict:
+    return {"steps": len(done.step_seconds), "median_step_seconds": statistics.median(done.step_seconds)}
 
 
 def main() -> None:
@@ -212,11 +300,16 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--side-by-side", action="store_true",
                         help="a round's engines in this process, taking turns at every point (less drift)")
+    parser.add_argument("--turns", action="store_true",
+                        help="a round's engines in this process, taking turns step by step on their own clocks")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_cpu_sweep_smollm2.json")
     args = parser.parse_args()
+    args.side_by_side = args.side_by_side or args.turns
     if args.side_by_side:  # before vLLM is imported
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if args.turns:  # in-process, vLLM drops torch to 1 thread unless told; its own worker uses every core
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 
     from vllm_moa.targets import fetch_smollm2
 
@@ -236,9 +329,11 @@ def main() -> None:
         "prompt_tokens": [len(p) for p in base],
         "streams": [s.model_dump() for s in streams], "rows": rows,
         "config": {"dtype": "float32", "enforce_eager": True, "greedy": True, "ignore_eos": True,
-                   "engines": "side by side in one process, taking turns at every point" if args.side_by_side
+                   "engines": "in one process, taking turns step by step, each on its own clock" if args.turns
+                   else "side by side in one process, taking turns at every point" if args.side_by_side
                    else "one after another, each in the engine host's child",
                    "VLLM_CPU_KVCACHE_SPACE": "1" if args.side_by_side else "2",
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                    # vLLM binds OpenMP threads only in a worker process of its own
                    "VLLM_CPU_OMP_THREADS_BIND": "not applied (in-process executor)" if args.side_by_side
                    else "0-1"},

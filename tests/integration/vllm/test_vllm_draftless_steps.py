@@ -2,9 +2,12 @@
 (RunnerSamplePatch + MoAProposer.verify_metadata, integration/shell/runner_sample.py): vLLM's
 rejection sampler is never called when no request has drafts, and every token, greedy or seeded
 at T = 0.7, equals the engine without speculation's. With VLLM_MOA_PLAIN_SAMPLER=0 (vLLM's own
-behaviour) the rejection sampler runs at every such step and the first test fails.
+behaviour) the rejection sampler runs at every such step and the first test fails. Nor does vLLM
+prepare the drafter's inputs at such steps (RunnerProposePatch, runner_propose.py).
 
-Both engines run side by side in one child process (sampler_probe.py), on the demo target."""
+The engines run side by side in one child process (sampler_probe.py), on the demo target; the
+same process runs two of them taking turns step by step, each on its own clock
+(integration/serve/engine_turns.py), which the last two tests check."""
 
 from __future__ import annotations
 
@@ -45,7 +48,35 @@ def test_steps_without_drafts_skip_the_rejection_sampler():
     assert moa["rejection_sampler"] == 0, moa
 
 
+def test_steps_without_drafts_skip_preparing_the_drafters_inputs():
+    """RunnerProposePatch (integration/shell/runner_propose.py): at a step that schedules no drafts
+    the MoA proposer answers alone; vLLM's per-request preparation of the drafter's inputs is not
+    run (without the patch it runs at every step)."""
+    report = probe()
+    moa = report["moa, no drafts"]["calls"]
+    assert moa["sampler"] >= 24 and moa["drafter_inputs"] == 0, moa
+
+
 def test_steps_without_drafts_sample_what_no_speculation_samples():
     report = probe()
     assert report["moa, no drafts"]["greedy"] == report["none"]["greedy"]
     assert report["moa, no drafts"]["seeded"] == report["none"]["seeded"]
+
+
+def test_engines_taking_turns_generate_what_they_generate_alone():
+    """engine_turns.take_turns: a pass run by two engines at once, a step each in turn, gives each
+    engine's own greedy tokens."""
+    turns = probe()["turns"]
+    assert turns["none"]["outputs"] == probe()["none"]["greedy"]
+    assert turns["moa"]["outputs"] == probe()["moa"]["greedy"] == probe()["none"]["greedy"]
+
+
+def test_each_engine_is_timed_on_its_own_clock():
+    """Each engine's clock runs only during its own steps, so their seconds add up to at most the
+    wall time of the whole (a clock that ran throughout would give each about the whole); and K by
+    measured speed reads its engine's clock (attach_clock), which stands still while paused."""
+    turns = probe()["turns"]
+    assert turns["none"]["seconds"] + turns["moa"]["seconds"] <= turns["wall"]
+    assert min(turns["none"]["seconds"], turns["moa"]["seconds"]) > 0.1 * turns["wall"]
+    assert turns["moa"]["attached"] and not turns["none"]["attached"]
+    assert turns["table_clock_still"]

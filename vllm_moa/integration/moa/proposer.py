@@ -136,11 +136,10 @@ class MoAProposer(DraftModelProposer):
     ) -> torch.Tensor:
         cad, view = common_attn_metadata, RunnerView(self._runner)
         # 1. a step without drafts: mark its slots stale (catch_up.py)
-        if num_speculative_tokens == 0 and catch_up.skips_steps(self.moa_model().lsa):
-            catch_up.skip_step(self.stale_slots, self.moa_model().model.sa.attn.kv_cache, self._kv_layout,
-                               cad.slot_mapping[: target_positions.shape[0]])
-            self._last_draft_probs = None
-            return torch.empty(next_token_ids.shape[0], 0, dtype=torch.long, device=next_token_ids.device)
+        if num_speculative_tokens == 0:
+            skipped = self.skip_draftless_step(cad, target_positions.shape[0])
+            if skipped is not None:
+                return skipped
         needs_layout = self.trees is not None or self.lookups is not None or self.stale_slots.any
         starts = compat.host_query_start_loc(cad) if needs_layout else []  # [B + 1] host
         # 2. the tree's shape for this step (first: chain_if_faster times steps)
@@ -182,6 +181,19 @@ class MoAProposer(DraftModelProposer):
         finally:
             self._num_rejected = None
             self._root_hidden = None
+
+    def skip_draftless_step(self, common_attn_metadata: CommonAttentionMetadata, num_tokens: int) -> torch.Tensor | None:
+        """A step that schedules no drafts for the next one: its first `num_tokens` slots marked
+        stale (catch_up.py) -> no drafts [B, 0]; None where steps are not skipped (the drafter's
+        rows read the target's final hidden states, or VLLM_MOA_CATCH_UP=0). Also the hook of
+        RunnerProposePatch (runner_propose.py), which then skips vLLM's preparation of the
+        drafter's inputs."""
+        if not catch_up.skips_steps(self.moa_model().lsa):
+            return None
+        slots = common_attn_metadata.slot_mapping[:num_tokens]
+        catch_up.skip_step(self.stale_slots, self.moa_model().model.sa.attn.kv_cache, self._kv_layout, slots)
+        self._last_draft_probs = None
+        return torch.empty(common_attn_metadata.num_reqs, 0, dtype=torch.long, device=slots.device)
 
     def write_verified_rows(self, positions: torch.Tensor, cad: CommonAttentionMetadata,
                             num_rejected: torch.Tensor | None, hidden_states: torch.Tensor | None = None,

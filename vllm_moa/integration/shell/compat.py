@@ -215,6 +215,13 @@ PATCHED_SYMBOLS: dict[str, PatchedSymbol] = {
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample", "GPUModelRunner._sample",
         "(self, logits, spec_decode_metadata)", series=TREE_SERIES,
     ),
+    # a step that schedules no drafts skips vLLM's preparation of the drafter's inputs (runner_propose.py)
+    "runner_propose_draft_token_ids": PatchedSymbol(
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids",
+        "GPUModelRunner.propose_draft_token_ids",
+        "(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states, "
+        "aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)", series=TREE_SERIES,
+    ),
     # the vLLM client-server backend (verify_service.py): flagged requests' prompt positions
     "runner_sample_tokens": PatchedSymbol(
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens", "GPUModelRunner.sample_tokens",

