@@ -21,7 +21,10 @@ engine meets the same machine speed (this machine's wanders by ±10% within seco
 
 Inside an engine: a warm-up pass, then one pass per concurrency c: the first max(c,
 --min-prompts) held-out chat prompts (repeated beyond the 16 shipped), in groups of c, each
-group generated to the end before the next; then the streams: --stream-requests requests, each
+group generated to the end before the next (with --turns --in-flight: c requests kept in flight, a
+finished one replaced at once by the next, as `vllm bench serve --max-concurrency c` keeps them:
+a group's requests that speculation finishes early no longer leave it part-empty until its longest
+ends); then the streams: --stream-requests requests, each
 added at its Poisson arrival time (seeded, the same for every engine) with its own answer length
 (uniform in --stream-tokens, seeded), while the engine runs the earlier ones
 (integration/serve/request_stream.py).
@@ -251,7 +254,7 @@ def turns_round(target: str, prompts: list[list[int]], args: argparse.Namespace,
             record["own_clock"] = attach_clock(built[position][0], clocks[position])
         for size, count in tqdm(sizes[1:], desc="passes", file=sys.stderr):
             turns = [EngineTurns(built[p][0], requests[p][0][:count], requests[p][1][:count], clocks[p], group=size,
-                                 tag=f"c{size}") for p in range(len(order))]
+                                 in_flight=args.in_flight, tag=f"c{size}") for p in range(len(order))]
             for position, done in enumerate(take_turns(turns)):
                 now = measured(position)
                 records[position]["passes"][str(size)] = turns_pass_record(
@@ -302,8 +305,13 @@ def main() -> None:
                         help="a round's engines in this process, taking turns at every point (less drift)")
     parser.add_argument("--turns", action="store_true",
                         help="a round's engines in this process, taking turns step by step on their own clocks")
+    parser.add_argument("--in-flight", action="store_true",
+                        help="with --turns: a pass keeps c requests in flight (a finished one replaced at once, as "
+                             "`vllm bench serve --max-concurrency c`) instead of groups of c run to their end")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_cpu_sweep_smollm2.json")
     args = parser.parse_args()
+    if args.in_flight and not args.turns:
+        parser.error("--in-flight keeps requests in flight within engines taking turns: add --turns")
     args.side_by_side = args.side_by_side or args.turns
     if args.side_by_side:  # before vLLM is imported
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -332,6 +340,7 @@ def main() -> None:
                    "engines": "in one process, taking turns step by step, each on its own clock" if args.turns
                    else "side by side in one process, taking turns at every point" if args.side_by_side
                    else "one after another, each in the engine host's child",
+                   "passes": f"{'c requests in flight' if args.in_flight else 'groups of c, each run to its end'}",
                    "VLLM_CPU_KVCACHE_SPACE": "1" if args.side_by_side else "2",
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                    # vLLM binds OpenMP threads only in a worker process of its own
@@ -377,6 +386,7 @@ def summarize(engines: list[dict], args: argparse.Namespace) -> list[dict]:
                 per_round += [(speed(e[section][key], section) / base, e) for e in mine]
             ratios = [r for r, _ in per_round]
             runs = [e[section][key] for _, e in per_round]
+            steps = step_ratios(engines, name, section, key, args.rounds)
             rows.append({
                 "config": name, "point": label, "section": section, "speedup": statistics.median(ratios),
                 "round_speedups": ratios,
@@ -384,12 +394,28 @@ def summarize(engines: list[dict], args: argparse.Namespace) -> list[dict]:
                 "drafts": [m["drafts"] for m in runs],
                 "inter_token_seconds": [m.get("inter_token_seconds") for m in runs],
                 "mean_time_per_output_token_s": [m.get("mean_time_per_output_token_s") for m in runs],
+                # --turns: the median step over that of the round's engines without speculation
+                "median_step_over_none": statistics.median(steps) if steps else None, "round_step_ratios": steps,
                 "equals_no_speculation": all(m["outputs"] == reference[section][key]["outputs"] for m in runs),
                 # where a run's tokens part from no speculation's: enough to trace it (tie_check-style)
                 "differences": [d for i, m in enumerate(runs)
                                 for d in differences(m["outputs"], reference[section][key]["outputs"], i)],
             })
     return rows
+
+
+def step_ratios(engines: list[dict], name: str, section: str, key: str, rounds: int) -> list[float]:
+    """Per round, the configuration's median step time over the mean of the round's engines
+    without speculation (runs with --turns record each engine's median step; else [])."""
+    ratios = []
+    for round_index in range(rounds):
+        here = [e for e in engines if e["round"] == round_index]
+        nones = [e[section][key].get("median_step_seconds") for e in here if e["name"] == NONE]
+        mine = [e[section][key].get("median_step_seconds") for e in here if e["name"] == name]
+        if None in nones + mine or not nones:
+            return []
+        ratios += [m / statistics.mean(nones) for m in mine]
+    return ratios
 
 
 def differences(got: list[list[int]], want: list[list[int]], round_index: int) -> list[dict]:
@@ -431,8 +457,10 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=10)
     ax_c.legend(fontsize=8)
-    fig.suptitle(f"vLLM CPU engine, SmolLM2, greedy fp32: median of {args.rounds} rounds (band: every round), "
-                 "none = mean of a round's first and last engine", fontsize=10)
+    none = ("engines taking turns on their own clocks, none = mean of a round's two engines without speculation"
+            if args.turns else "none = mean of a round's first and last engine")
+    fig.suptitle(f"vLLM CPU engine, SmolLM2, greedy fp32: median of {args.rounds} rounds (band: every round), {none}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

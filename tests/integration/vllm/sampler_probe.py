@@ -86,7 +86,24 @@ def engine_turns(engines: dict, prompts: list, greedy) -> dict:
     time.sleep(0.05)
     return {"wall": wall, "table_clock_still": table.clock() == before == clocks["moa"](),
             **{name: {"outputs": d.outputs, "seconds": d.seconds, "steps": len(d.step_seconds),
-                      "attached": attached[name]} for name, d in zip(names, done)}}
+                      "attached": attached[name]} for name, d in zip(names, done)},
+            "in_flight": passes_in_flight(engines["none"], prompts)}
+
+
+def passes_in_flight(llm, prompts: list) -> dict:
+    """One engine's pass of answers of different lengths (4 to 18 tokens) in groups of 3 and with 3
+    in flight: per pass its tokens and the requests in flight at each step."""
+    from vllm import SamplingParams
+
+    from vllm_moa.integration.serve.engine_turns import EngineTurns, OwnClock, take_turns
+
+    sampling = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    report = {}
+    for name, in_flight in (("groups", False), ("in_flight", True)):
+        (done,) = take_turns([EngineTurns(llm, prompts, sampling, OwnClock(), group=3, in_flight=in_flight,
+                                          tag=name)])
+        report[name] = {"outputs": done.outputs, "step_requests": done.step_requests}
+    return report
 
 
 if __name__ == "__main__":

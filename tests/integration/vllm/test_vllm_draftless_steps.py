@@ -7,7 +7,8 @@ prepare the drafter's inputs at such steps (RunnerProposePatch, runner_propose.p
 
 The engines run side by side in one child process (sampler_probe.py), on the demo target; the
 same process runs two of them taking turns step by step, each on its own clock
-(integration/serve/engine_turns.py), which the last two tests check."""
+(integration/serve/engine_turns.py), which the last three tests check (the last, on the engine
+without speculation alone, a pass that keeps its requests in flight)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,16 @@ def test_each_engine_is_timed_on_its_own_clock():
     assert min(turns["none"]["seconds"], turns["moa"]["seconds"]) > 0.1 * turns["wall"]
     assert turns["moa"]["attached"] and not turns["none"]["attached"]
     assert turns["table_clock_still"]
+
+
+def test_a_pass_in_flight_keeps_its_requests_in_flight():
+    """EngineTurns(in_flight=True): a finished request's place is taken by the next at once, so
+    that with answers of different lengths a pass keeps 3 requests running where groups of 3 run
+    part-empty until their longest ends; both give every request its tokens."""
+    report = probe()["turns"]["in_flight"]
+    groups, in_flight = report["groups"], report["in_flight"]
+    assert in_flight["outputs"] == groups["outputs"] and [len(o) for o in groups["outputs"]] == [4 + 2 * i for i in range(8)]
+    assert max(in_flight["step_requests"]) == max(groups["step_requests"]) == 3
+    assert in_flight["step_requests"][:8] == [3] * 8, in_flight["step_requests"]  # 4 tokens: the first ends at step 4
+    assert len(in_flight["step_requests"]) < len(groups["step_requests"])
+

@@ -18,7 +18,9 @@ the engines.
     take_turns(turns)                   # every engine's pass: outputs, own seconds, step times
 
 A workload is a pass (the prompts in consecutive groups of `group` requests, each group run to the
-end before the next: concurrency `group`) or a stream (request i added once the engine's own
+end before the next: concurrency `group`; with `in_flight`, `group` requests kept in flight
+instead, a finished one's place taken by the next at once, as `vllm bench serve
+--max-concurrency` keeps them) or a stream (request i added once the engine's own
 clock reaches arrivals[i]; an engine with nothing to run jumps its clock to the next arrival, so
 idle time costs nothing and is not measured). A "moa" engine that chooses K by measured speed
 prices its steps by the time between their outputs (adaptive_k.AdaptiveK); `attach_clock` gives
@@ -85,7 +87,7 @@ def attach_clock(llm: Any, clock: OwnClock) -> bool:
 class TurnsResult:
     """One engine's workload: per prompt its tokens and, in its own clock's seconds from the
     workload's start, when it was added, its first token came and it finished; the workload's own
-    seconds and every step's."""
+    seconds, and every step's seconds and requests in flight."""
 
     outputs: list[list[int]]
     arrival: list[float]
@@ -93,14 +95,17 @@ class TurnsResult:
     finished: list[float]
     seconds: float
     step_seconds: list[float] = field(default_factory=list)
+    step_requests: list[int] = field(default_factory=list)
 
 
 class EngineTurns:
-    """One engine's pass (`group`: consecutive groups of that many requests) or stream
-    (`arrivals`: seconds of its own clock from the start), taken one step per turn."""
+    """One engine's pass (`group`: consecutive groups of that many requests, or with `in_flight`
+    that many requests in flight) or stream (`arrivals`: seconds of its own clock from the start),
+    taken one step per turn."""
 
     def __init__(self, llm: Any, prompts: list[Any], sampling: list[Any], clock: OwnClock, *,
-                 group: int | None = None, arrivals: list[float] | None = None, tag: str = "turns") -> None:
+                 group: int | None = None, arrivals: list[float] | None = None, in_flight: bool = False,
+                 tag: str = "turns") -> None:
         if (group is None) == (arrivals is None):
             raise ValueError("a workload is a pass (group) or a stream (arrivals), one of them")
         if len(prompts) != len(sampling) or (arrivals is not None and len(arrivals) != len(prompts)):
@@ -108,8 +113,10 @@ class EngineTurns:
                              f"{len(sampling)} sampling, {None if arrivals is None else len(arrivals)} arrivals")
         if group is not None and group < 1:
             raise ValueError(f"a pass's group is at least 1 request, got {group}")
+        if in_flight and group is None:
+            raise ValueError("in_flight keeps a pass's `group` requests in flight; a stream has arrivals instead")
         self.engine, self.prompts, self.sampling, self.clock = llm.llm_engine, prompts, sampling, clock
-        self.group, self.tag, n = group, tag, len(prompts)
+        self.group, self.in_flight, self.tag, n = group, in_flight, tag, len(prompts)
         # the order requests are added in, with the own-clock second each may be added from
         self.due = sorted(range(n), key=lambda i: arrivals[i]) if arrivals is not None else list(range(n))
         self.arrivals = arrivals
@@ -124,12 +131,13 @@ class EngineTurns:
         return self.left == 0
 
     def _admit(self, now: float) -> None:
-        """Add the requests whose time has come: a pass's next group once the last one ended, a
-        stream's arrivals up to now."""
+        """Add the requests whose time has come: a pass's next group once the last one ended (in
+        flight: as many as have finished), a stream's arrivals up to now."""
         if self.group is not None:
-            if self.engine.has_unfinished_requests():
+            running = self.cursor - (len(self.due) - self.left)  # added and not finished
+            if running and not self.in_flight:
                 return
-            upto = min(len(self.due), self.cursor + self.group)
+            upto = min(len(self.due), self.cursor + self.group - running)
         else:
             upto = self.cursor
             while upto < len(self.due) and self.arrivals[self.due[upto]] <= now:
@@ -149,6 +157,7 @@ class EngineTurns:
         self.clock.resume()
         began = self.clock()
         self._admit(now)
+        self.result.step_requests.append(self.cursor - (len(self.due) - self.left))
         outputs = self.engine.step()
         for output in outputs:
             i = int(output.request_id.rsplit("-", 1)[1])

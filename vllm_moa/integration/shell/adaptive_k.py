@@ -16,8 +16,10 @@ config with `moa_adaptive` (on by default, chains and trees: moa_defaults.py) th
   between costs as much as K = max_k until it is priced itself); what a step
   yields is B * E(K) tokens, E(K) = 1 + a + ... + a^K from one per-level acceptance rate `a`
   measured over every drafted position at any batch size (GeometricAcceptance, as the
-  runtime's speed control); the K of most B * E(K) / (c + s * K) tokens per second is chosen,
-  and the end (max_k or 0) that was not chosen is re-tried now and then;
+  runtime's speed control); the K of most B * E(K) / (c + s * K) tokens per second is chosen
+  (a move between drafting and K = 0 only for an estimate `switch_margin` ahead: near a tie the
+  verdict holds, as a step's time wanders by several percent), and the end (max_k or 0) that
+  was not chosen is re-tried now and then;
 * a batch size not yet priced at both ends starts from what is known (`_borrowed_fit`):
   - the nearest batch size priced at both ends, if it is within a factor of 2 above (its fit as
     it is: more requests make drafting pay less, not more), or below: then this size's own K = 0
@@ -126,12 +128,14 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, hold: int = 3, probe_every: int = 16, max_probe_every: int = 128,
                  probe_budget: float = 0.03, decay: float = 0.95, cold_batch: int = COLD_BATCH,
+                 switch_margin: float = 0.05,
                  tree_chain_k: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if tree_chain_k is not None and not 1 <= tree_chain_k < max_k:
             raise ValueError(f"tree_chain_k must be in 1..{max_k - 1} (below the tree's budget), got {tree_chain_k}")
         self.max_k, self.hold, self.clock, self.decay, self.cold_batch = max_k, hold, clock, decay, cold_batch
+        self.switch_margin = switch_margin  # how much faster a K on another rung must look (_best)
         # K = max_k is the whole tree and K <= tree_chain_k chains for a tree engine (the module
         # docstring's ladder); the ends are priced first, in this order
         self.tree_chain_k = tree_chain_k
@@ -206,8 +210,7 @@ class AdaptiveK:
         # above cold_batch only this size's own prices start drafting: a K = 0 -> K > 0 switch also
         # catches the drafter up over every request's tokens, which only a budgeted probe counts
         borrowed = not own and batch > self.cold_batch
-        best = 0 if fit is None or borrowed else \
-            max(self.candidates, key=lambda k: self.tokens_per_second(batch, k, fit))
+        best = 0 if fit is None or borrowed else self._best(batch, fit)
         every = self.probe_every.setdefault(batch, self.min_probe_every)
         if self.verdict.get(batch, best) != best:
             self.probe_every[batch] = every = self.min_probe_every  # the verdict moved: watch closely again
@@ -225,6 +228,25 @@ class AdaptiveK:
         if not missing:
             self.probe_every[batch] = min(self.max_probe_every, 2 * every)
         return probe, True
+
+    def _best(self, batch: int, fit: StepCost | ScaledStepCost) -> int:
+        """The K of most estimated tokens per second, except that the verdict leaves its rung only
+        for a K estimated `switch_margin` faster than the best K on it: a step's time wanders by
+        several percent on a shared machine, and a move between rungs costs (drafting that resumes
+        catches the drafter up over every token it missed), so near a tie the verdict holds."""
+        rate = functools.partial(self.tokens_per_second, batch, fit=fit)
+        best = max(self.candidates, key=rate)
+        held = self.verdict.get(batch)
+        if held is None or self.rung(held) == self.rung(best):
+            return best
+        keep = max((k for k in self.candidates if self.rung(k) == self.rung(held)), key=rate)
+        return best if rate(best) > (1 + self.switch_margin) * rate(keep) else keep
+
+    def rung(self, k: int) -> int:
+        """Which rung a K stands on: 0 (no drafts), 1 (a chain), 2 (a tree engine's whole tree)."""
+        if k == 0:
+            return 0
+        return 2 if self.tree_chain_k is not None and k == self.max_k else 1
 
     def _next_probe(self, batch: int, best: int) -> int:
         """The end probed once every end is priced: the other end of a chain engine; for a tree
