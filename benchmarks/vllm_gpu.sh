@@ -46,7 +46,7 @@ RESULTS=${OUT:-/tmp/vllm-moa-gpu}
 PY=${PY:-python3}
 
 import_checks() {  # the pack and the project import, the plugin registers and builds its classes by name
-    PYTHONPATH=$SITE "$PY" - <<'CHECK'
+    PYTHONPATH=$SITE "$PY" -P - <<'CHECK'
 import torch, vllm
 from vllm_moa.integration.shell import compat, plugin
 assert plugin.register(), "the plugin did not register"
@@ -96,7 +96,8 @@ unpack)
     cat "$XFER"/gguf.xz.part* | xz -d -T0 > "$SMOLLM2.gguf"
     "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .xfer/whl/*.whl
     PYTHONPATH=$SITE "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-    PYTHONPATH=$SITE "$PY" -c "import sys; from pathlib import Path; from vllm_moa.targets.gguf_to_hf import \
+    # -P: the repo root off sys.path, or its kernels/ shadows the `kernels` package transformers imports
+    PYTHONPATH=$SITE "$PY" -P -c "import sys; from pathlib import Path; from vllm_moa.targets.gguf_to_hf import \
 convert_gguf_to_hf as c; c(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2.gguf" "$SMOLLM2"
     import_checks
     ;;
