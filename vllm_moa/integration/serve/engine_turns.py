@@ -130,14 +130,18 @@ class EngineTurns:
     def done(self) -> bool:
         return self.left == 0
 
+    @property
+    def running(self) -> int:
+        """Requests added and not finished."""
+        return self.cursor - (len(self.due) - self.left)
+
     def _admit(self, now: float) -> None:
         """Add the requests whose time has come: a pass's next group once the last one ended (in
         flight: as many as have finished), a stream's arrivals up to now."""
         if self.group is not None:
-            running = self.cursor - (len(self.due) - self.left)  # added and not finished
-            if running and not self.in_flight:
+            if self.running and not self.in_flight:
                 return
-            upto = min(len(self.due), self.cursor + self.group - running)
+            upto = min(len(self.due), self.cursor + self.group - self.running)
         else:
             upto = self.cursor
             while upto < len(self.due) and self.arrivals[self.due[upto]] <= now:
@@ -157,7 +161,7 @@ class EngineTurns:
         self.clock.resume()
         began = self.clock()
         self._admit(now)
-        self.result.step_requests.append(self.cursor - (len(self.due) - self.left))
+        self.result.step_requests.append(self.running)
         outputs = self.engine.step()
         for output in outputs:
             i = int(output.request_id.rsplit("-", 1)[1])
