@@ -24,7 +24,9 @@ cost at batch 1 on a CPU. Modules marked with
 `weight_format(module, "bf16")` run oneDNN's packed matmul on bf16 weights (inputs rounded to bf16, outputs
 and biases fp32): half the bytes, and on CPUs that multiply bf16 natively (`cpu_flags.native_bf16`)
 faster than fp32 (a hand timing of a 576 x 2048 layer at 1 row, cold cache, AMD EPYC with
-avx512_bf16: 106 us against 246 us); elsewhere oneDNN emulates it. The packed copy is keyed by the modules (a weak reference: it
+avx512_bf16: 106 us against 246 us); elsewhere oneDNN emulates it, and where oneDNN has no bf16
+matmul at all (AVX2-only CPUs: `cpu_flags.onednn_bf16`) the weights are rounded to bf16 and
+multiplied in fp32 (the same weights, so the same drafts up to the inputs' rounding; fp32's speed). The packed copy is keyed by the modules (a weak reference: it
 goes when they go) and rebuilt when any weight or bias changes (an optimizer step, `.to()`,
 `load_state_dict`). It costs one extra copy of the packed weights in memory; `enabled(False)`
 turns packing off process-wide.
@@ -182,18 +184,22 @@ class _Int8Pack:
 class _Pack:
     """The modules' weights concatenated along the output axis, reordered for oneDNN in fp32 or
     (`bf16`) bfloat16; `weight` is None where packing does not pay or does not apply (small, not
-    fp32, not on a CPU)."""
+    fp32, not on a CPU). `bf16` on a CPU where oneDNN has no bf16 matmul (`cpu_flags.onednn_bf16`):
+    the weights rounded to bf16, packed in fp32 (`bf16_kernel` False)."""
 
     def __init__(self, modules: tuple[nn.Linear, ...], key: tuple, bf16: bool = False) -> None:
         self.key = key
         self.splits = [m.out_features for m in modules]
         self.weight = self.bias = None
+        self.bf16_weights = bf16
+        self.bf16_kernel = bf16 and cpu_flags.onednn_bf16()
         weights = [m.weight.detach() for m in modules]
         if sum(w.numel() for w in weights) < MIN_WEIGHTS or any(
                 w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
             return
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         weight = weight.to(torch.bfloat16) if bf16 else weight
+        weight = weight if self.bf16_kernel or not bf16 else weight.float()  # [out, in]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
         if any(m.bias is not None for m in modules):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
@@ -247,7 +253,7 @@ def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if fmt == "int8":
         out = pack(flat)  # [rows, sum out_i]
-    elif fmt == "bf16":  # bf16 in, fp32 out; the bias (fp32) added after
+    elif fmt == "bf16" and pack.bf16_kernel:  # bf16 in, fp32 out; the bias (fp32) added after
         out = _packed_op()(flat.to(torch.bfloat16), pack.weight, None, "none", [], "").float()
         out = out if pack.bias is None else out + pack.bias
     else:

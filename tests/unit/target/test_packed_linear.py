@@ -121,19 +121,23 @@ def _low_precision_packs(module, fmt: str) -> int:
     packs = packed_linear._packs.get(module, {}).values()
     if fmt == "int8":
         return sum(isinstance(p, packed_linear._Int8Pack) and p.weight is not None for p in packs)
-    return sum(isinstance(p, packed_linear._Pack) and p.weight is not None and p.weight.dtype == torch.bfloat16
-               for p in packs)
+    return sum(isinstance(p, packed_linear._Pack) and p.weight is not None and p.bf16_weights
+               and p.weight.dtype == (torch.bfloat16 if p.bf16_kernel else torch.float32) for p in packs)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int8-int_mm", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-int_mm", "bf16", "bf16-rounded"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt, monkeypatch):
-    """int8 runs fbgemm's dynamic linear on x86 builds; "int8-int_mm" the fallback (torch._int_mm)."""
+    """int8 runs fbgemm's dynamic linear on x86 builds; "int8-int_mm" the fallback (torch._int_mm).
+    bf16 runs oneDNN's bf16 matmul where this CPU has one; "bf16-rounded" the fallback of CPUs
+    without (AVX2 only): bf16-rounded weights in fp32."""
     if fmt == "int8":
         assert packed_linear.fbgemm_available() == ("x86" in torch.backends.quantized.supported_engines)
     fmt, _, backend = fmt.partition("-")
     if backend == "int_mm":
         monkeypatch.setattr(packed_linear, "fbgemm_available", lambda: False)
+    if backend == "rounded":
+        monkeypatch.setattr(packed_linear.cpu_flags, "onednn_bf16", lambda: False)
     q, k, v = _modules((576, 576), (576, 192), (576, 192), bias=True)
     x = torch.randn(rows, 576)
     with torch.no_grad():
@@ -145,6 +149,9 @@ def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt
     if fmt == "int8":
         (pack,) = packed_linear._packs[q].values()
         assert (pack.fbgemm is None) == (backend == "int_mm" or not packed_linear.fbgemm_available())
+    if fmt == "bf16":
+        (pack,) = packed_linear._packs[q].values()
+        assert pack.bf16_kernel == (backend != "rounded" and packed_linear.cpu_flags.onednn_bf16())
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.dtype == torch.float32
         error = (g - w).norm() / w.norm()
@@ -153,6 +160,19 @@ def test_low_precision_weights_stay_close_to_fp32_and_fuse_projections(rows, fmt
         for m in (q, k, v):
             packed_linear.weight_format(m, "fp32")
         torch.testing.assert_close(linear(x, q, k, v)[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_flags_tell_where_onednn_multiplies_bf16():
+    """cpu_flags.onednn_bf16 (read from the flags) agrees with what oneDNN does on this CPU: a bf16
+    weight reorders where it says so, and is refused where it does not (AVX2-only CPUs)."""
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight, packed_linear.BATCH_HINT)
+        runs = True
+    except RuntimeError as error:
+        assert "bf16" in str(error)
+        runs = False
+    assert packed_linear.cpu_flags.onednn_bf16() == runs
 
 
 def test_an_unknown_weight_format_is_refused_by_name():
