@@ -56,6 +56,16 @@ import vllm.v1.attention.backends.triton_attn, vllm.v1.attention.backends.flash_
 import vllm_moa.kernels, gguf, transformers
 print("vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available(), "imports ok")
 CHECK
+    # the test and bench stages run with the checkout's root on sys.path (pytest's pythonpath, python
+    # -m): there its kernels/ hands the name over to Hugging Face's kernels (kernels/_shadow.py)
+    PYTHONPATH=$SITE "$PY" - <<'CHECK'
+from importlib import metadata
+from pathlib import Path
+import kernels, transformers.modeling_utils, benchmarks.vllm_gpu_engine, vllm_moa.kernels  # noqa: E401, F401
+installed = any(d.metadata["Name"] == "kernels" for d in metadata.distributions())
+assert (Path(kernels.__file__).parent == Path("kernels").resolve()) != installed, kernels.__file__
+print("with the checkout on sys.path: kernels is", kernels.__file__)
+CHECK
 }
 
 case "${1:-}" in
@@ -161,7 +171,7 @@ for name, version in tree:
     if n in image and not prepare.SKIP.match(n) and n != "setuptools":
         print(f"{name}=={version}")
 IMAGE
-    "$work/venv/bin/pip" install -q torch==2.11.0 accelerate -r "$work/image.txt"
+    "$work/venv/bin/pip" install -q torch==2.11.0 accelerate matplotlib -r "$work/image.txt"  # matplotlib: the image has it (the bench stage plots)
     XFER="$work/xfer" "$0" receive > /dev/null
     SITE="$work/site" XFER="$work/xfer" SMOLLM2="$work/smollm2" PY="$work/venv/bin/python" "$0" unpack
     echo "rehearsal: the transfer, the unpack and the import checks passed ($work)"

@@ -30,33 +30,41 @@ Backend
     use_triton(device=None, backend=None) -> bool, kernel_backend(), HAS_TRITON
 
 Everything imports without Triton; only calls that resolve to Triton need it.
+
+Imported as a top-level ``kernels`` (the repository's root on sys.path: pytest's ``pythonpath``,
+``python -m`` from a checkout) while Hugging Face's ``kernels`` distribution is installed, this
+folder hands over to that package (``_shadow.hand_over``): transformers (>= 5.2x, at import) and
+vLLM import it by that name, and this folder must not shadow it.
 """
 
-from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, lsa_triton_max_tokens, use_triton
-from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
-from .paged import (
-    LAYOUTS,
-    PagedLayers,
-    gather_blocks,
-    gather_layer_rows,
-    gather_slots,
-    new_kv_cache,
-    slot_mapping,
-    split_kv_cache,
-    write_slots,
-)
-from .tree import (
-    MAX_TREE_NODES,
-    tree_ancestor_masks,
-    tree_attention_paged,
-    tree_attention_reference,
-    tree_attention_triton,
-)
-from .tree_cpu import (
-    TreeAttentionPlan,
-    plan_tree_attention,
-    tree_attention_planned,
-)
+from ._shadow import hand_over
+
+if not (__name__ == "kernels" and hand_over(__file__)):
+    from ._backend import BACKENDS, ENV_VAR, HAS_TRITON, interpreting, kernel_backend, lsa_triton_max_tokens, use_triton
+    from .lsa import lsa_attention, lsa_attention_reference, lsa_rows_from_paged
+    from .paged import (
+        LAYOUTS,
+        PagedLayers,
+        gather_blocks,
+        gather_layer_rows,
+        gather_slots,
+        new_kv_cache,
+        slot_mapping,
+        split_kv_cache,
+        write_slots,
+    )
+    from .tree import (
+        MAX_TREE_NODES,
+        tree_ancestor_masks,
+        tree_attention_paged,
+        tree_attention_reference,
+        tree_attention_triton,
+    )
+    from .tree_cpu import (
+        TreeAttentionPlan,
+        plan_tree_attention,
+        tree_attention_planned,
+    )
 
 __all__ = [
     "BACKENDS",
