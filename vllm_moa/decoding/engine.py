@@ -206,16 +206,24 @@ class GenerationBatch:
             self.active = [self.active[row] for row in still]
 
     def _prefill(self, seqs: list[_Sequence], cache: SlotKVCache) -> None:
+        """The target over every distinct prompt once (requests repeating a prompt, as n samples of
+        one do, share its forward), the cache then holding a row per request; each request's
+        first token picked from its prompt's logits, its drafting session started."""
         device = self.target.device
         # while plain rounds are what pays at this batch size, sessions start when drafting does
         defer = self.controller is not None and self.controller.prefers_plain(len(seqs))
-        prompts = [DraftTree.chain(s.prompt[0], s.prompt[1:], device, fed=0) for s in seqs]
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(s.prompt), len(distinct)) for s in seqs]  # request -> its prompt's row
+        cache.lengths = [0] * len(distinct)
+        prompts = [DraftTree.chain(p[0], list(p[1:]), device, fed=0) for p in distinct]
         width = cache.begin_round(max(t.size for t in prompts), device)
         ids, positions, mask = verification_inputs(prompts, cache.lengths, width, device)
-        out = self.target(ids, cache, positions, mask)
-        for row, s in enumerate(seqs):
+        out = self.target(ids, cache, positions, mask)  # logits [distinct prompts, N, V]
+        for row, p in enumerate(distinct):
+            cache.commit(row, list(range(len(p))))
+        cache.select_rows(source)
+        for s, row in zip(seqs, source):
             n = len(s.prompt)
-            cache.commit(row, list(range(n)))
             first = self._pick(out.logits[row, n - 1 : n])
             if s.session is not None and defer:
                 s.unstarted = target_slices.rows_of(out, row, list(range(n)), logits=False)

@@ -328,3 +328,26 @@ def test_adaptive_drafter_catches_up_to_a_fresh_computation(target, prompts, gre
                 caught_up += 1
     assert caught_up > 0
     assert [r.token_ids for r in batch.results] == greedy[:4]
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_requests_repeating_a_prompt_share_its_prefill_and_decode_as_alone(target, prompts, greedy, shape,
+                                                                         monkeypatch):
+    """n samples of one prompt: the target's prefill runs over the distinct prompts only (one row
+    each), and every request still decodes exactly as it would alone (greedy), its own drafting
+    session and cache row after the prefill; sampled, the repeats draw their own tokens."""
+    rows = []
+    forward = type(target).forward
+
+    def counted(self, ids, *args, **kwargs):
+        rows.append(ids.shape[0])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", counted)
+    engine = SpeculativeEngine(target, make_drafter("moa-tli0", target), SPECS[shape])
+    order = [0, 1, 0, 2, 1, 0]
+    results = engine.generate([prompts[i] for i in order], NEW_TOKENS)
+    assert rows[0] == 3  # the prefill: 3 distinct prompts for 6 requests
+    assert [r.token_ids for r in results] == [greedy[i] for i in order]
+    sampled = engine.generate([prompts[0]] * 8, NEW_TOKENS, sampling=SamplingParams(temperature=1.0), seed=0)
+    assert len({tuple(r.token_ids) for r in sampled}) > 1
