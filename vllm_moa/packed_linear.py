@@ -198,8 +198,8 @@ class _Pack:
                 w.dtype != torch.float32 or w.device.type != "cpu" for w in weights):
             return
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        weight = weight.to(torch.bfloat16) if bf16 else weight
-        weight = weight if self.bf16_kernel or not bf16 else weight.float()  # [out, in]
+        if bf16:  # rounded to bf16; multiplied in fp32 where oneDNN has no bf16 matmul
+            weight = weight.to(torch.bfloat16) if self.bf16_kernel else weight.to(torch.bfloat16).float()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
         if any(m.bias is not None for m in modules):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
@@ -253,7 +253,7 @@ def linear(x: Tensor, *modules: nn.Linear) -> Tensor | tuple[Tensor, ...]:
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if fmt == "int8":
         out = pack(flat)  # [rows, sum out_i]
-    elif fmt == "bf16" and pack.bf16_kernel:  # bf16 in, fp32 out; the bias (fp32) added after
+    elif pack.bf16_kernel:  # bf16 in, fp32 out; the bias (fp32) added after
         out = _packed_op()(flat.to(torch.bfloat16), pack.weight, None, "none", [], "").float()
         out = out if pack.bias is None else out + pack.bias
     else:

@@ -181,7 +181,7 @@ class GenerationBatch:
             for i, (p, budget) in enumerate(zip(prompts, budgets))
         ]
         self.controller = engine.controller
-        self.cache = SlotKVCache(self.target.num_layers, [0] * len(self.sequences))
+        self.cache = SlotKVCache(self.target.num_layers)  # a row per distinct prompt, then per request: _prefill
         with torch.no_grad():
             self._prefill(self.sequences, self.cache)
         self.active = self.sequences
