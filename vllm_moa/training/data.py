@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+REGENERATE_BATCH = 16  # prompts the target continues together (regenerate_responses)
+
 
 class DatasetError(ValueError):
     """The training data cannot be used (empty, too short, malformed)."""
@@ -129,28 +131,35 @@ def regenerate_responses(
     seed: int = 0,
     eos_token_id: int | None = None,
     progress: bool = True,
+    batch_size: int = REGENERATE_BATCH,
 ) -> list[DraftExample]:
-    """On-policy data: the target continues every prompt at each temperature (0 = greedy)."""
+    """On-policy data: the target continues every prompt at each temperature (0 = greedy), in
+    batches of `batch_size` prompts through the runtime's plain decoding (decoding/engine.py, no
+    drafter: its greedy output is transformers' `generate`, tests/integration/test_smollm2.py),
+    one example per prompt and temperature, prompt by prompt; a continuation stops after EOS
+    (kept) or at max_new_tokens. Batch b at temperature t samples from seed + b * len(temperatures)
+    + t's index."""
     from tqdm.auto import tqdm
 
-    examples = []
-    device = next(hf_model.parameters()).device
-    jobs = [(p, t) for p in prompt_ids for t in temperatures]
-    for index, (prompt, temperature) in enumerate(tqdm(jobs, desc="regenerating", disable=not progress)):
+    from vllm_moa.decoding.engine import SpeculativeEngine
+    from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.target import TargetModel
+
+    for index, prompt in enumerate(prompt_ids):
         if len(prompt) == 0:
-            raise DatasetError(f"prompt {index // len(temperatures)} is empty")
-        torch.manual_seed(seed + index)
-        ids = torch.tensor([list(prompt)], device=device)
-        kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=eos_token_id or 0)
-        if eos_token_id is not None:
-            kwargs["eos_token_id"] = eos_token_id
-        if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        else:
-            kwargs.update(do_sample=False)
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0].tolist()
-        if len(out) > len(prompt):
-            examples.append(DraftExample(tuple(out), len(prompt)))
+            raise DatasetError(f"prompt {index} is empty")
+    engine = SpeculativeEngine(TargetModel(hf_model), None)
+    batches = [list(prompt_ids[i:i + batch_size]) for i in range(0, len(prompt_ids), batch_size)]
+    examples = []
+    for b, batch in enumerate(tqdm(batches, desc="regenerating", disable=not progress)):
+        by_temperature = [
+            engine.generate(batch, max_new_tokens, SamplingParams(temperature=t), seed=seed + b * len(temperatures) + j,
+                            eos_token_id=eos_token_id)
+            for j, t in enumerate(temperatures)]
+        for i, prompt in enumerate(batch):
+            for results in by_temperature:
+                if results[i].token_ids:
+                    examples.append(DraftExample((*prompt, *results[i].token_ids), len(prompt)))
     return examples
 
 

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
-from vllm_env import DEMO, ENGINE, ENGINE_ENV, MAX_TOKENS, TARGET, engine, engine_available, prompts  # noqa: E402
+from vllm_env import DEMO, ENGINE, MAX_TOKENS, TARGET, engine, engine_available, engine_host, prompts  # noqa: E402
 
-from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun  # noqa: E402
 from vllm_moa.shipped import SHIPPED_SMOLLM2  # noqa: E402
 
 pytestmark = [
@@ -25,8 +25,8 @@ pytestmark = [
 
 def run(config: dict):
     """All 16 prompts at once twice (the controller measures as batches shrink), then one at a time."""
-    return run_engine(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
-                                passes=[0, 0, 1], engine=ENGINE), timeout=900, env=ENGINE_ENV)
+    return engine_host().run(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
+                                       passes=[0, 0, 1], engine=ENGINE), timeout=900)
 
 
 def test_moa_alone_equals_plain_vllm_and_its_k_follows_measured_speed():

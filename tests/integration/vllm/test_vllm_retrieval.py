@@ -5,7 +5,7 @@ acceptance counters above MoA's alone (lookup drafts were used, and right); loss
 T > 0 (chi-square on a tiny-vocabulary target, rows drafted by lookup beside rows drafted by the
 model with probabilistic draft sampling, and trees); bad options refused before the engine starts.
 
-Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
+Every engine runs in this worker's engine host (vllm_env.engine_host: in-process, a fork per engine).
 """
 
 from __future__ import annotations
@@ -24,9 +24,19 @@ from tiny_vocab import (  # noqa: E402
     exact_distribution,
     tiny_models,
 )
-from vllm_env import ENGINE, ENGINE_ENV, TARGET, engine, engine_available, first_difference, moa, prompts  # noqa: E402
+from vllm_env import (  # noqa: E402
+    ENGINE,
+    ENGINE_ENV,
+    TARGET,
+    engine,
+    engine_available,
+    engine_host,
+    first_difference,
+    moa,
+    prompts,
+)
 
-from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -96,7 +106,7 @@ def test_sampling_with_lookup_drafts_is_lossless(tmp_path_factory, shape):
                     max_tokens=NEW_TOKENS,
                     temperature=TEMPERATURE, seed=0,
                     engine={"dtype": "float32", "max_model_len": 64, "skip_tokenizer_init": True, "max_num_seqs": 256})
-    result = run_engine(run, timeout=900, env=ENGINE_ENV)
+    result = engine_host().run(run, timeout=900)
     counts = Counter(tuple(out) for out in result.passes[0].outputs)
     assert sum(counts.values()) == SAMPLES and all(len(seq) == NEW_TOKENS for seq in counts)
     assert result.spec_decode.drafts > 0 and result.spec_decode.accepted_per_pos[1] > 0

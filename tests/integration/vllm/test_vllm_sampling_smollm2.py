@@ -10,7 +10,7 @@ transformers, chi-square over the likely pairs plus an "other" bucket; the same 
 distribution at 1.3x the temperature are rejected (the test has power). A cheap sentinel: the
 negative log-likelihood of all generated tokens under the target against the target's own entropy
 at the same positions, in standard deviations (the defect made the NLL 2-6x higher).
-Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
+Every engine runs in this worker's engine host (vllm_env.engine_host: in-process, a fork per engine).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugi
 import sampling_stats  # noqa: E402
 import torch  # noqa: E402
 from sampling_stats import chat_prompt, nll_excess, pair_p, smollm2  # noqa: E402
-from vllm_env import ENGINE_ENV, MOA_ALONE, REPO, engine_available  # noqa: E402
+from vllm_env import MOA_ALONE, REPO, engine_available, engine_host  # noqa: E402
 
-from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -67,19 +67,21 @@ def chain_run():
                                                              "num_speculative_tokens": 3, **MOA_ALONE},
                     prompts=[prompt()] * len(sampling), max_tokens=NEW_TOKENS, temperature=temperatures, seed=0,
                     sampling=sampling, engine=ENGINE)
-    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+    return engine_host().run(run, timeout=1500)
 
 
 @cache
 def tree_run():
-    """One engine, MoA tree (depth 5, top-k 4, 16 nodes); every request asks for 2 logprobs."""
+    """One engine, MoA tree (depth 5, top-k 4, 16 nodes) drafted whole at every step (moa_adaptive
+    false: K by measured speed would choose among the tree, its path's chains and K = 0 by the
+    machine's timings); every request asks for 2 logprobs."""
     run = EngineRun(target=smollm2()[0], speculative_config={"method": "moa", "model": DRAFTER,
-                                                             "num_speculative_tokens": 16, "moa_retrieval": False,
+                                                             "num_speculative_tokens": 16, **MOA_ALONE,
                                                              "moa_tree": {"depth": 5, "top_k": 4,
                                                                                           "chain_if_faster": False}},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
                     sampling=[{"logprobs": 2}] * PLAIN, engine=ENGINE)
-    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+    return engine_host().run(run, timeout=1500)
 
 
 @cache
@@ -91,7 +93,7 @@ def top_k_only_run():
                                                              "num_speculative_tokens": 3, **MOA_ALONE},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
                     sampling=[{"top_k": TOP_K}] * PLAIN, engine=ENGINE)
-    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+    return engine_host().run(run, timeout=1500)
 
 
 @cache
@@ -105,7 +107,7 @@ def adaptive_run():
                                                              "num_speculative_tokens": 3, "moa_retrieval": False},
                     prompts=[prompt()] * PLAIN, max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=None,
                     passes=[0, 4], engine=ENGINE)
-    return run_engine(run, timeout=1500, env=ENGINE_ENV)
+    return engine_host().run(run, timeout=1500)
 
 
 @cache

@@ -19,12 +19,12 @@ from sampling_stats import chat_prompt, smollm2  # noqa: E402
 from vllm_env import (  # noqa: E402
     DEMO,
     DRAFTER_TLI1,
-    ENGINE_ENV,
     MOA_ALONE,
     REPO,
     engine,
     engine_available,
     engine_config,
+    engine_host,
     first_difference,
     tensor_parallel_env,
 )
@@ -130,7 +130,7 @@ def smollm2_run(speculation: str | None, tp: int):
     engine_kwargs = {"dtype": "float32", "max_model_len": 512, **({"tensor_parallel_size": tp} if tp > 1 else {})}
     run = EngineRun(target=smollm2()[0], speculative_config=config, prompts=[chat_prompt(p) for p in SMOLLM2_PROMPTS],
                     max_tokens=32, engine=engine_kwargs, tap_traffic=tp > 1 and config is not None)
-    return run_engine(run, timeout=900, env=tensor_parallel_env(tp) if tp > 1 else ENGINE_ENV)
+    return run_engine(run, timeout=900, env=tensor_parallel_env(tp)) if tp > 1 else engine_host().run(run, timeout=900)
 
 
 @pytest.mark.parametrize("what", ["chain", "tree"])

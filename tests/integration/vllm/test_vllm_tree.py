@@ -6,7 +6,7 @@ preemption; vLLM's acceptance counters above the chain's at the same node budget
 sampling at T > 0 through the engine (chi-square, tiny-vocabulary target); bad tree configs
 refused before the engine starts.
 
-Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
+Every engine runs in this worker's engine host (vllm_env.engine_host: in-process, a fork per engine).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from vllm_env import (  # noqa: E402
     TARGET,
     engine,
     engine_available,
+    engine_host,
     first_difference,
     moa,
     prompts,
 )
 
-from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
+from vllm_moa.integration.serve.offline import EngineRun  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.vllm_engine, pytest.mark.timeout(1800),
@@ -142,7 +143,7 @@ def test_sampling_through_trees_is_lossless(tmp_path_factory):
                     max_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=0,
                     engine={"dtype": "float32", "max_model_len": 64, "skip_tokenizer_init": True,
                             "max_num_seqs": 256})
-    result = run_engine(run, timeout=900, env=ENGINE_ENV)
+    result = engine_host().run(run, timeout=900)
     counts = Counter(tuple(out) for out in result.passes[0].outputs)
     assert sum(counts.values()) == SAMPLES and all(len(seq) == NEW_TOKENS for seq in counts)
     counters = result.spec_decode

@@ -4,7 +4,7 @@ and the tree levels' dense attention). The exact reads are pinned in test_vllm_m
 against the reference, with rejections, through the paged twin); here the real CPU kernel,
 MoAAttention's full-attention KV cache spec and the engine's block tables take part.
 
-Every engine runs in a child process (vllm_moa.integration.serve.offline.run_engine).
+Every engine runs in this worker's engine host (vllm_env.engine_host: in-process, a fork per engine).
 """
 
 from __future__ import annotations

@@ -16,8 +16,14 @@ def test_batched_greedy_equals_one_prompt_at_a_time():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(6, 97, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 11, 2)]
     batched = generate_batched(model, prompts, 12, 0.0, seed=0, eos_token_id=eos, batch_size=3)
-    alone = regenerate_responses(model, prompts, 12, (0.0,), eos_token_id=eos, progress=False)
-    assert [list(e.input_ids[len(p):]) for e, p in zip(alone, prompts)] == batched
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+                 for p in prompts]
+    assert alone == batched
+    # regenerate_responses, in the runtime's own batches, gives the same
+    runtime = regenerate_responses(model, prompts, 12, (0.0,), eos_token_id=eos, progress=False, batch_size=4)
+    assert [list(e.input_ids[len(p):]) for e, p in zip(runtime, prompts)] == batched
     for out in batched:  # cut after the first EOS, which is kept
         assert eos not in out[:-1]
 

@@ -10,6 +10,18 @@ child that died, ends the child, and the next run starts a new one. Runs that ne
 of their own (another thread binding, other drafter options read from the environment) need a
 host of their own: the environment is the child's.
 
+`in_process=True`: each run is a fork of the child, which imported vLLM once, and its engine runs
+inside that fork (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and worker in one
+process, vLLM's UniProcExecutor) instead of in the two processes vLLM spawns per engine, which
+import torch and vLLM again (about 20 s of CPU each on a 2-core machine) and busy-poll each
+other between steps. The fork gives every run a fresh copy of the child (no patch, metric or
+distributed state of one run reaches the next); the child itself never runs an engine, so it
+has started no thread to fork. The fork binds its compute threads as vLLM binds a worker's
+(VLLM_CPU_OMP_THREADS_BIND; vLLM does it through OMP's environment at a worker process's start,
+which an in-process engine never has: without it two engines side by side each ran 2 threads
+over both cores, several times slower). Tensor parallelism needs vLLM's processes (one per rank): such a
+run raises ValueError here.
+
     python -m vllm_moa.integration.serve.engine_host FOLDER    (the child's side: runs N.run.json
                                                                  for each N read from stdin)
 """
@@ -36,13 +48,25 @@ from vllm_moa.integration.serve.offline import (
 )
 
 ORPHAN_GRACE_S = 5.0  # a run's processes still alive this long after its engine shut down are orphans
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's: "0" runs the engine core in the caller's process
+FORK_EACH_RUN = "--fork-each-run"
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU's: the cores a worker computes on
+# what an in-process run imports, imported once by the child before its first fork
+PRELOADED = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine",
+             "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+             "vllm.model_executor.models.llama", "vllm.v1.spec_decode.eagle", "vllm.v1.sample.rejection_sampler",
+             "vllm_moa.integration.serve.offline")
 
 
 class EngineHost:
     """A child process that runs `EngineRun`s one after another (started on the first run)."""
 
-    def __init__(self, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+    def __init__(self, env: dict[str, str] | None = None, python: str = sys.executable,
+                 in_process: bool = False) -> None:
         self.env = {CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB), **(env or {})}
+        if in_process:
+            self.env[IN_PROCESS_ENV] = "0"
+        self.in_process = in_process
         self.python = python
         self._folder = tempfile.TemporaryDirectory(prefix="vllm-moa-engine-host-")
         self._child: subprocess.Popen | None = None
@@ -51,6 +75,8 @@ class EngineHost:
     def run(self, run: EngineRun, *, timeout: float = 900) -> EngineResult:
         if run.tap_traffic:
             raise ValueError("a run reading the tap's traffic needs VLLM_ALLOW_INSECURE_SERIALIZATION: use run_engine")
+        if self.in_process and run.engine.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("a tensor-parallel run needs vLLM's processes, one per rank: use a host with in_process=False")
         if self._child is None or self._child.poll() is not None:
             self._start()
         number, folder = next(self._numbers), Path(self._folder.name)
@@ -76,7 +102,8 @@ class EngineHost:
         return result
 
     def _start(self) -> None:
-        self._child = subprocess.Popen([self.python, "-m", __name__, self._folder.name], stdin=subprocess.PIPE,
+        mode = [FORK_EACH_RUN] if self.in_process else []
+        self._child = subprocess.Popen([self.python, "-m", __name__, self._folder.name, *mode], stdin=subprocess.PIPE,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                                        env={**os.environ, **self.env}, start_new_session=True)
 
@@ -145,11 +172,59 @@ def _is_resource_tracker(process) -> bool:
         return False
 
 
+def bind_threads(mask: str | None) -> list[int]:
+    """In this process, what vLLM's CPU executor gives a worker process it starts through OMP's
+    environment (read only when a process starts, so an in-process engine never gets it): compute
+    threads on the cores of VLLM_CPU_OMP_THREADS_BIND ("0", "0-1", "0,2-3"), one per core. "auto",
+    "nobind", unset, or one list per rank ("0|1"): this process's cores. Returns the cores."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    if mask and mask not in ("auto", "nobind") and "|" not in mask:
+        cores = sorted({core for part in mask.split(",") for core in _core_range(part)})
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores
+
+
+def _core_range(part: str) -> range:
+    first, _, last = part.strip().partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
+def _serve_forked(folder: Path, number: str) -> None:
+    """_serve_one in a fork of this process: the run's engine, in-process there, ends with it."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            bind_threads(os.environ.get(THREADS_BIND_ENV))
+            _serve_one(folder, number)
+        except BaseException:  # noqa: BLE001 (the fork must end here whatever happened)
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if not (folder / f"{number}.out.json").is_file():  # it died before answering (a signal, a crash)
+        answer = {"error": f"the run's process ended without an answer (wait status {status})", "orphans": False}
+        partial = folder / f"{number}.out.json.partial"
+        partial.write_text(json.dumps(answer))
+        partial.rename(folder / f"{number}.out.json")
+
+
 def main(argv: list[str]) -> int:
-    folder = Path(argv[0])
+    folder, fork_each_run = Path(argv[0]), FORK_EACH_RUN in argv[1:]
+    if fork_each_run:
+        import importlib
+
+        for name in PRELOADED:  # a head start only: what one vLLM lacks, its runs import as they need
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
     for line in sys.stdin:
         if line.strip():
-            _serve_one(folder, line.strip())
+            (_serve_forked if fork_each_run else _serve_one)(folder, line.strip())
     return 0
 
 
