@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("vllm.config", reason="vLLM is not installed (the vLLM plugin tests need it)")
 
 from sampling_stats import chat_prompt, smollm2  # noqa: E402
-from vllm_env import ENGINE_ENV, IN_PROCESS, REPO, engine_available  # noqa: E402
+from vllm_env import ENGINE_ENV, REPO, engine_available, in_process_env  # noqa: E402
 
 from vllm_moa.integration.serve.offline import EngineRun, run_engine  # noqa: E402
 
@@ -58,7 +58,7 @@ def run(catch_up: bool):
     return run_engine(EngineRun(target=smollm2()[0], speculative_config=config, prompts=prompts(), max_tokens=6,
                                 sampling=sampling, passes=[0, 1],
                                 engine={"dtype": "float32", "max_model_len": 1024, "async_scheduling": False}),
-                      timeout=900, env={**ENGINE_ENV, **IN_PROCESS, "VLLM_MOA_CATCH_UP": "1" if catch_up else "0"})
+                      timeout=900, env={**ENGINE_ENV, **in_process_env(), "VLLM_MOA_CATCH_UP": "1" if catch_up else "0"})
 
 
 def test_skipped_steps_caught_up_accept_as_if_the_drafter_had_run_at_every_step():

@@ -74,8 +74,21 @@ MAX_TOKENS = 48
 ENGINE = {"dtype": "float32", "max_model_len": 1024}
 KS = (1, 3, 5)
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB: a small KV cache (vLLM CPU default: a share of RAM)
-# vLLM's engine core and worker inside the run's own process (engine_host() says why)
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@cache
+def in_process() -> bool:
+    """Whether offline engines run with vLLM's engine core and worker inside the run's own process
+    (engine_host() says why): on CPU. On a GPU (the GPU queue's step, benchmarks/vllm_gpu.sh)
+    they keep vLLM's processes, as rehearsed."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def in_process_env() -> dict[str, str]:
+    """The environment of a run_engine child whose engine runs in-process where in_process()."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process() else {}
 
 
 def xdist_worker_binding() -> dict[str, str]:
@@ -204,7 +217,8 @@ def _engine(speculative, k, passes, temperature, stress, replica, drafter, tree,
     if tp == 1 and not env:  # one engine after another in this worker's host process
         return once_per_session(key, lambda: engine_host().run(run, timeout=900))
     return once_per_session(key, lambda: run_engine(
-        run, timeout=900, env={**(tensor_parallel_env(tp) if tp > 1 else {**ENGINE_ENV, **IN_PROCESS}), **dict(env)}))
+        run, timeout=900, env={**(tensor_parallel_env(tp) if tp > 1 else {**ENGINE_ENV, **in_process_env()}),
+                               **dict(env)}))
 
 
 @cache
@@ -215,12 +229,14 @@ def engine_host():
     the host, its engine core and worker inside it): vLLM's two spawned processes per engine cost a
     demo engine 45-57 s where its passes take 2-13 s, in-process 8-18 s (2-core AVX2 EPYC), with the
     same tokens and counters. vLLM's own multiprocess engine stays covered where users run it: the
-    README command, `vllm serve`, the CLI, tensor parallelism and the runs with an env of their own."""
+    README command, `vllm serve`, the CLI, tensor parallelism, the tests that start vLLM in
+    processes of their own (the sampler probes, the CPU sampler defect), and on a GPU
+    (in_process())."""
     import atexit
 
     from vllm_moa.integration.serve.engine_host import EngineHost
 
-    host = EngineHost(env=ENGINE_ENV, in_process=True)
+    host = EngineHost(env=ENGINE_ENV, in_process=in_process())
     atexit.register(host.__exit__)
     return host
 
