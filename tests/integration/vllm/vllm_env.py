@@ -88,7 +88,9 @@ def in_process() -> bool:
 
 def in_process_env() -> dict[str, str]:
     """The environment of a run_engine child whose engine runs in-process where in_process()."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process() else {}
+    from vllm_moa.integration.serve.engine_host import IN_PROCESS_ENV
+
+    return {IN_PROCESS_ENV: "0"} if in_process() else {}
 
 
 def xdist_worker_binding() -> dict[str, str]:

@@ -158,6 +158,11 @@ def _serve_one(folder: Path, number: str) -> None:
     for process in alive:
         process.kill()
     answer["orphans"] = bool(alive)
+    _write_answer(folder, number, answer)
+
+
+def _write_answer(folder: Path, number: str, answer: dict) -> None:
+    """N.out.json, whole or not at all (the parent polls for it)."""
     partial = folder / f"{number}.out.json.partial"
     partial.write_text(json.dumps(answer))
     partial.rename(folder / f"{number}.out.json")
@@ -206,10 +211,8 @@ def _serve_forked(folder: Path, number: str) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     if not (folder / f"{number}.out.json").is_file():  # it died before answering (a signal, a crash)
-        answer = {"error": f"the run's process ended without an answer (wait status {status})", "orphans": False}
-        partial = folder / f"{number}.out.json.partial"
-        partial.write_text(json.dumps(answer))
-        partial.rename(folder / f"{number}.out.json")
+        _write_answer(folder, number, {"error": f"the run's process ended without an answer (wait status {status})",
+                                       "orphans": False})
 
 
 def main(argv: list[str]) -> int:
