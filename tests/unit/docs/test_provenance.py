@@ -6,7 +6,9 @@ records its commit whole, a commit this repository has."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,23 @@ def test_results_files_record_whole_commits_that_exist():
     for name, commit in recorded.items():
         assert isinstance(commit, str) and len(commit) == 40, f"{name}: commit {commit!r} is not whole"
         assert git("cat-file", "-e", f"{commit}^{{commit}}") is not None, f"{name}: commit {commit} is not in this repository"
+
+
+def test_the_openmp_runtime_and_ld_preload_are_recorded():
+    """Speed on CPU depends on which OpenMP runtime runs torch's threads (vLLM's CPU worker warns
+    that speculative decoding loses without Intel's preloaded): a run in a child that preloads
+    libgomp explicitly records it, and LD_PRELOAD as given."""
+    import sys
+
+    import torch
+
+    gomp = next((p for p in (Path(torch.__file__).parent / "lib").glob("libgomp*.so*")), None) or \
+        next(iter(Path("/usr/lib/x86_64-linux-gnu").glob("libgomp.so*")), None)
+    if gomp is None or not Path("/proc/self/maps").exists():
+        pytest.skip("no libgomp to preload, or no /proc")
+    code = ("import json, torch; from benchmarks.provenance import provenance; p = provenance(); "
+            "print(json.dumps([p['ld_preload'], p['openmp']]))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LD_PRELOAD": str(gomp)}, check=True)
+    ld_preload, runtimes = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ld_preload == str(gomp) and gomp.name in runtimes, (ld_preload, runtimes)
