@@ -22,7 +22,7 @@ if XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(max(1, cores // XDIST_WORKERS))
 
-import pytest
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
