@@ -68,4 +68,4 @@ def test_the_openmp_runtime_and_ld_preload_are_recorded():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LD_PRELOAD": str(gomp)}, check=True)
     ld_preload, runtimes = json.loads(run.stdout.strip().splitlines()[-1])
-    assert ld_preload == str(gomp) and gomp.name in runtimes, (ld_preload, runtimes)
+    assert ld_preload == str(gomp) and gomp.resolve().name in runtimes, (ld_preload, runtimes)  # maps names files
