@@ -72,7 +72,7 @@ def openmp_runtimes() -> list[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "omp" in line.rsplit("/", 1)[-1]}
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if line.strip()}
     return sorted(name for name in names if name.startswith(("libgomp", "libiomp", "libomp")))
 
 
